@@ -1,0 +1,62 @@
+"""Strict construction of config dataclasses from plain mappings or OmegaConf nodes.
+
+Unknown keys are errors naming the key and its path: a typo must never be ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+
+def to_plain(obj: Any) -> Any:
+    """Turn an OmegaConf node (or anything mapping-like) into plain dicts and lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def from_mapping(cls: type[T], data: Any, path: str, *, hints: Mapping[str, str] | None = None) -> T:
+    """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
+
+    ``hints`` maps a forbidden key to the message explaining where it belongs.
+    """
+    if isinstance(data, cls):
+        return data
+    data = to_plain(data)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if hints and key in hints:
+            raise ConfigError(f"{path}.{key}: {hints[key]}")
+        if key not in fields:
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {path}.{key} (valid keys: {valid})")
+        ftype = types[key]
+        if dataclasses.is_dataclass(ftype):
+            value = from_mapping(ftype, value, f"{path}.{key}")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc

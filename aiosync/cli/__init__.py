@@ -1,0 +1,1 @@
+"""The ``aiosync`` command line: ``demo``, ``bench`` and ``simulate``."""

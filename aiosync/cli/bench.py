@@ -1,0 +1,254 @@
+"""``aiosync bench`` (B7): patch and bucket sync compared on a realistic update, in one run.
+
+The model is transformer-shaped (embedding, attention and MLP matrices, norms) with fp32
+master weights on the sender and a bf16 copy on the receiver. The update is real AdamW
+(betas (0.9, 0.95), an RL learning rate) on random gradients, after a few warm-up steps so
+Adam's moments are past their first-step regime. Every mode syncs the same update.
+
+Measured per mode, all in this run: payload bytes, changed elements, bytes per changed
+element, patch build time, end-to-end time (build, encode, transfer, decode, apply) over the
+in-process channel and over a simulated 1 Gbit/s link, and whether the receiver ended
+bit-exact. One ``clone()`` of the synced tensors is the yardstick for the time ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from ..configs import load_config
+from ..syncers import WeightSyncer
+from ..syncers.snapshot import as_bits
+from ..transports.base import payload_nbytes
+from ..transports.inproc import inproc_pair
+
+GBIT_BYTES_PER_S = 1e9 / 8
+
+
+def transformer_state(n_elements: int, d_model: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """An fp32 state dict shaped like a decoder-only transformer with about ``n_elements`` values."""
+    g = torch.Generator().manual_seed(seed)
+    per_layer = 4 * d_model * d_model + 2 * 4 * d_model * d_model + 4 * d_model + 4 * d_model
+    n_layers = max(1, round((n_elements - vocab * d_model) / per_layer))
+    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(vocab, d_model, generator=g) * 0.02}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        for name in ("q", "k", "v", "o"):
+            sd[p + f"attn.{name}.weight"] = torch.randn(d_model, d_model, generator=g) * 0.02
+        sd[p + "mlp.up.weight"] = torch.randn(4 * d_model, d_model, generator=g) * 0.02
+        sd[p + "mlp.up.bias"] = torch.zeros(4 * d_model)
+        sd[p + "mlp.down.weight"] = torch.randn(d_model, 4 * d_model, generator=g) * 0.02
+        for ln in ("ln1", "ln2"):
+            sd[p + f"{ln}.weight"] = torch.ones(d_model)
+            sd[p + f"{ln}.bias"] = torch.zeros(d_model)
+        sd[p + "mlp.down.bias"] = torch.zeros(d_model)
+    sd["final_ln.weight"] = torch.ones(d_model)
+    return sd
+
+
+class Trainer:
+    """fp32 master weights updated by AdamW on random gradients (the realistic update of SPEC §6)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], lr: float, seed: int) -> None:
+        self.params = {k: torch.nn.Parameter(v) for k, v in state.items()}
+        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> None:
+        for p in self.params.values():
+            p.grad = torch.randn(p.shape, generator=self.gen)
+        self.opt.step()
+        for p in self.params.values():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.params.items()}
+
+
+class SimulatedLink:
+    """A point-to-point channel that delays each payload by its size over ``bandwidth`` bytes/s."""
+
+    def __init__(self, bandwidth: float | None) -> None:
+        self.a, self.b = inproc_pair(timeout=600)
+        self.bandwidth = bandwidth
+
+    async def send(self, payload: Any) -> None:
+        if self.bandwidth:
+            await anyio.sleep(payload_nbytes(payload) / self.bandwidth)
+        await self.a.send(payload)
+
+
+MODES = {
+    "patch-seed": {"type": "patch", "patch": {"encoding": "coo", "delta_encoding": True, "compression": "none",
+                                              "init_sync": {"enabled": True}}},
+    "patch": "weight_syncer/patch_syncer",
+    "bucket": "weight_syncer/bucket_syncer",
+}
+
+
+def mode_config(name: str) -> dict[str, Any]:
+    cfg = MODES[name]
+    if isinstance(cfg, str):
+        cfg = load_config(cfg)
+    cfg = json.loads(json.dumps(cfg))
+    if cfg["type"] == "bucket":
+        cfg["bucket"]["bucket_dtype"] = "bfloat16"  # the receiver is bf16: send what it holds
+    return cfg
+
+
+def bit_exact(sender: dict[str, torch.Tensor], receiver: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(as_bits(sender[k].to(receiver[k].dtype)), as_bits(receiver[k])) for k in sender)
+
+
+def warm_up_kernels() -> None:
+    """Compile the numba builder kernels before anything is timed."""
+    from ..syncers.snapshot import Snapshot
+
+    for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool):
+        snap = Snapshot("cpu")
+        snap.load([torch.zeros(130, dtype=dtype)], [dtype])
+        snap.diff([torch.ones(130, dtype=dtype)])
+        snap.close()
+
+
+async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, receiver, link: SimulatedLink,
+                    version: int) -> tuple[float, int, dict]:
+    t0 = time.perf_counter()
+    await asyncio.gather(syncer_s.sync(state, link.send, version), syncer_r.apply(receiver, link.b.recv))
+    return time.perf_counter() - t0, syncer_s.last_stats.get("bytes", 0), dict(syncer_s.last_stats)
+
+
+async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup: int, seed: int,
+                    modes: list[str], progress) -> dict[str, Any]:
+    task = progress.add_task("building model and warm-up steps", total=warmup + 1)
+    trainer = Trainer(transformer_state(n_elements, d_model, vocab, seed), lr, seed)
+    progress.advance(task)
+    for _ in range(warmup):
+        trainer.step()
+        progress.advance(task)
+    state = trainer.state_dict()
+    elements = sum(t.numel() for t in state.values())
+
+    # One clone() of the synced tensors into fresh memory, as a snapshot copy would be:
+    # the copies stay alive, so no clone reuses pages the previous one just freed.
+    clone_times, kept = [], []
+    gc.collect()
+    for _ in range(3):
+        t0 = time.perf_counter()
+        kept.append([t.clone() for t in state.values()])
+        clone_times.append(time.perf_counter() - t0)
+    del kept
+    clone_s = statistics.median(clone_times)
+
+    warm_up_kernels()
+    pairs = {}
+    task = progress.add_task("init sync (bootstrap) per mode", total=len(modes))
+    for name in modes:
+        cfg = mode_config(name)
+        s, r = WeightSyncer.create(cfg), WeightSyncer.create(cfg)
+        receiver = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in state.items()}
+        link = SimulatedLink(None)
+        await asyncio.gather(s.init_sender(state, list(state), link.a.send, link.a.recv),
+                             r.init_receiver(receiver, link.b.recv, link.b.send))
+        if cfg["type"] == "bucket":
+            await asyncio.gather(s.sync(state, link.send, 1), r.apply(receiver, link.b.recv))
+        pairs[name] = (s, r, receiver)
+        progress.advance(task)
+
+    results = {name: {"name": name} for name in modes}
+    changed = None
+    for phase, bandwidth in (("e2e_s", None), ("e2e_1gbit_s", GBIT_BYTES_PER_S)):
+        trainer.step()
+        before = None
+        task = progress.add_task(f"one optimizer step, then sync ({'in-process' if bandwidth is None else '1 Gbit/s'})",
+                                 total=len(modes))
+        for name in modes:
+            s, r, receiver = pairs[name]
+            if changed is None and name.startswith("patch"):
+                before = {k: v.clone() for k, v in receiver.items()}
+            version = 2 if phase == "e2e_s" else 3
+            e2e, nbytes, stats = await _one_sync(s, r, state, receiver, SimulatedLink(bandwidth), version)
+            row = results[name]
+            row[phase] = e2e
+            row["bit_exact"] = row.get("bit_exact", True) and bit_exact(state, receiver)
+            if phase == "e2e_s":
+                row["bytes"] = nbytes
+                row["build_s"] = stats.get("build_s", stats.get("sync_s", 0.0))
+                if changed is None and before is not None:
+                    changed = sum(int((as_bits(before[k]) != as_bits(receiver[k])).sum()) for k in receiver)
+                    del before
+            progress.advance(task)
+    changed = changed or 0
+    for row in results.values():
+        row["bytes_per_changed"] = row["bytes"] / changed if changed else math.inf
+    return {
+        "elements": elements, "changed": changed, "density": changed / elements, "clone_s": clone_s,
+        "modes": [
+            {k: results[n][k] for k in ("name", "bytes", "bytes_per_changed", "build_s", "e2e_s", "e2e_1gbit_s", "bit_exact")}
+            for n in modes
+        ],
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    clone = report["clone_s"]
+    table = Table(title=(f"aiosync bench: {report['elements'] / 1e6:.1f} M synced elements, "
+                         f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
+                         f"clone {clone * 1e3:.1f} ms"))
+    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "e2e ms", "e2e/clone", "e2e 1Gbit ms", "bit-exact"):
+        table.add_column(col, justify="right")
+    for m in report["modes"]:
+        table.add_row(m["name"], f"{m['bytes']:,}", f"{m['bytes_per_changed']:.3f}", f"{m['build_s'] * 1e3:.1f}",
+                      f"{m['build_s'] / clone:.2f}", f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
+                      f"{m['e2e_1gbit_s'] * 1e3:.1f}", "yes" if m["bit_exact"] else "NO")
+    console = Console(width=max(Console().width, 130))
+    console.print(table)
+    by = {m["name"]: m for m in report["modes"]}
+    if "patch" in by and "bucket" in by:
+        ratio = by["bucket"]["e2e_1gbit_s"] / by["patch"]["e2e_1gbit_s"]
+        console.print(f"over 1 Gbit/s, patch is {ratio:.1f}x faster than bucket end to end")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="compare patch and bucket sync on a realistic update", description=__doc__)
+    p.add_argument("--elements", type=float, default=100e6, help="synced elements (default 100e6)")
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (RL range 1e-6 to 3e-6)")
+    p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the first sync")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket")
+    p.add_argument("--quick", action="store_true", help="a small run (about 4 M elements)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; valid: {', '.join(MODES)}")
+    n, d_model, vocab = int(args.elements), args.d_model, args.vocab
+    if args.quick:
+        n, d_model, vocab = 4_000_000, 256, 4096
+    with Progress(transient=True) as progress:
+        report = asyncio.run(run_bench(n, d_model, vocab, args.lr, args.warmup, args.seed, modes, progress))
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

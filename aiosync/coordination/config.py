@@ -1,0 +1,149 @@
+"""Configuration of the coordination layer: the ``synchronizer`` config node.
+
+The shipped default is ``aiosync/configs/synchronizer/default.yaml`` (a Hydra config group
+beside ``weight_syncer/``: ``- synchronizer/default@synchronizer`` in a defaults list), loadable
+without Hydra through :func:`aiosync.configs.load_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .._strict import from_mapping, to_plain
+from ..errors import ConfigError
+from .styles import SyncMethod, SyncStyle
+
+STALENESS_MODES = ("drop", "downweight")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+@dataclass
+class SynchronizerConfig:
+    """When and how weights move from the trainer to the explorers.
+
+    * ``method``: ``nccl`` | ``memory`` | ``checkpoint`` (:class:`SyncMethod`).
+    * ``style``: ``fixed`` | ``explorer_driven`` | ``trainer_driven`` (:class:`SyncStyle`).
+    * ``sync_interval``: steps between syncs (≥ 1).
+    * ``sync_offset``: with ``fixed``, explore steps the explorer runs ahead before its first sync (≥ 0).
+    * ``sync_timeout``: seconds any side waits for the other (handshake, explorer request) before
+      carrying on; an explorer that timed out asks again next cycle.
+    * ``sync_weight_no_wait``: the trainer's sync returns once the payload is handed off and
+      explorers apply in a background task. Patch syncers only.
+    * ``max_staleness``: samples generated more than this many versions behind the trainer are
+      dropped (or down-weighted, ``staleness_mode: downweight``); ``null`` keeps everything.
+    * ``staleness_mode``: ``drop`` | ``downweight``; ``staleness_decay``: weight factor per
+      version beyond ``max_staleness`` when down-weighting.
+    * ``delivery_timeout``: the longest one delivery (build, transfer, apply, including waiting
+      for leases to end) may take before the link gives it up and re-bootstraps the explorer.
+    * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it).
+    """
+
+    method: SyncMethod = SyncMethod.MEMORY
+    style: SyncStyle = SyncStyle.FIXED
+    sync_interval: int = 1
+    sync_offset: int = 0
+    sync_timeout: float = 60.0
+    sync_weight_no_wait: bool = False
+    max_staleness: int | None = None
+    staleness_mode: str = "drop"
+    staleness_decay: float = 0.5
+    delivery_timeout: float = 600.0
+    checkpoint_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.method = SyncMethod.parse(self.method)
+            self.style = SyncStyle.parse(self.style)
+        except ValueError as exc:
+            raise ConfigError(f"synchronizer: {exc}") from None
+        if not _is_int(self.sync_interval) or self.sync_interval < 1:
+            raise ConfigError(
+                f"synchronizer.sync_interval must be an integer >= 1 (steps between syncs), got {self.sync_interval!r}; "
+                "use 1 to sync after every step"
+            )
+        if not _is_int(self.sync_offset) or self.sync_offset < 0:
+            raise ConfigError(
+                f"synchronizer.sync_offset must be an integer >= 0 (explore steps run ahead), got {self.sync_offset!r}"
+            )
+        if self.sync_offset and self.style is not SyncStyle.FIXED:
+            raise ConfigError(
+                f"synchronizer.sync_offset={self.sync_offset} only applies to style: fixed; "
+                f"set sync_offset: 0 or style: fixed (style is {self.style.value})"
+            )
+        for name in ("sync_timeout", "delivery_timeout"):
+            if not _is_seconds(getattr(self, name)):
+                raise ConfigError(
+                    f"synchronizer.{name} must be a positive number of seconds, got {getattr(self, name)!r}"
+                    " (every wait has a timeout; there is no 'wait forever')"
+                )
+        if not isinstance(self.sync_weight_no_wait, bool):
+            raise ConfigError(f"synchronizer.sync_weight_no_wait must be true or false, got {self.sync_weight_no_wait!r}")
+        if self.max_staleness is not None and (not _is_int(self.max_staleness) or self.max_staleness < 0):
+            raise ConfigError(
+                f"synchronizer.max_staleness must be null or an integer >= 0 (versions), got {self.max_staleness!r}"
+            )
+        if self.staleness_mode not in STALENESS_MODES:
+            raise ConfigError(
+                f"synchronizer.staleness_mode must be one of {', '.join(STALENESS_MODES)}, got {self.staleness_mode!r}"
+            )
+        if not isinstance(self.staleness_decay, (int, float)) or not 0.0 <= self.staleness_decay <= 1.0:
+            raise ConfigError(f"synchronizer.staleness_decay must be a number in [0, 1], got {self.staleness_decay!r}")
+        if self.method is SyncMethod.CHECKPOINT and not self.checkpoint_dir:
+            raise ConfigError("synchronizer.method: checkpoint needs synchronizer.checkpoint_dir (a directory path)")
+        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
+            self.checkpoint_dir = str(self.checkpoint_dir)
+
+    @classmethod
+    def from_any(cls, config: Any = None) -> "SynchronizerConfig":
+        """Build from ``None`` (defaults), a mapping, an OmegaConf node or an instance.
+
+        Unknown keys raise :class:`aiosync.errors.ConfigError` naming the key. A mapping holding
+        a ``synchronizer`` key (a whole experiment config) is unwrapped.
+        """
+        if isinstance(config, cls):
+            return config
+        data = to_plain(config)
+        if isinstance(data, dict) and "synchronizer" in data:
+            data = data["synchronizer"]
+        return from_mapping(cls, data, "synchronizer")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums as strings), e.g. for logging or YAML."""
+        out = dataclasses.asdict(self)
+        out["method"] = self.method.value
+        out["style"] = self.style.value
+        return out
+
+    def check_weight_syncer(self, weight_syncer: Any) -> None:
+        """Reject combinations with the weight syncer that cannot work, before any sync.
+
+        ``weight_syncer`` is a ``weight_syncer`` config (mapping, dataclass, OmegaConf node) or a
+        :class:`aiosync.syncers.base.WeightSyncer` class or instance.
+        """
+        if not self.sync_weight_no_wait:
+            return
+        from ..syncers.base import WeightSyncer
+
+        if isinstance(weight_syncer, WeightSyncer) or (isinstance(weight_syncer, type) and issubclass(weight_syncer, WeightSyncer)):
+            ok = bool(weight_syncer.supports_no_wait)
+            kind = getattr(weight_syncer, "__name__", type(weight_syncer).__name__) + " (supports_no_wait is False)"
+        else:
+            from ..syncers.config import WeightSyncerConfig
+
+            kind = "weight_syncer.type: " + WeightSyncerConfig.from_any(weight_syncer).type
+            ok = kind.endswith(": patch")
+        if not ok:
+            raise ConfigError(
+                f"synchronizer.sync_weight_no_wait: true needs weight_syncer.type: patch (got {kind}): bucket mode "
+                "yields between buckets, so a background apply could expose a half-updated model. "
+                "Set synchronizer.sync_weight_no_wait: false, or use weight_syncer.type: patch"
+            )

@@ -1,0 +1,339 @@
+"""The two slots of the runtime, styled after anyio's memory object streams: small dataclasses
+holding explicit shared state, paired ``*_nowait`` / awaiting methods, precise exceptions.
+
+* :class:`PolicySlot` (S8) — the explorer-side holder of the rollout model. Rollouts read it
+  through :meth:`PolicySlot.lease`; a new version is written with :meth:`PolicySlot.apply`.
+  Readers and the writer exclude each other, so a lease never sees two versions at once; the
+  version advances only after a whole apply succeeded and is strictly increasing; a failed
+  apply is rolled back.
+* :class:`LatestSlot` (S6, B4) — a one-item, latest-wins mailbox: a put while an item is
+  waiting replaces it (the old one is *coalesced*, never queued); closing it still lets the
+  waiting item be taken, so the newest item is never dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import anyio
+import torch
+
+from ..aio import run_sync
+from ..errors import ApplyError, ClosedResourceError, EndOfStream, PeerTimeoutError, VersionError, WouldBlock
+
+M = TypeVar("M")
+T = TypeVar("T")
+
+
+class Lease(NamedTuple):
+    """What a lease yields: the model and the version of the weights it holds.
+
+    Unpacks as a pair: ``async with slot.lease() as (model, version): ...``.
+    """
+
+    model: Any
+    version: int
+
+
+def _state_tensors(model: Any) -> dict[str, torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if isinstance(model, dict) or hasattr(model, "items"):
+        return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    raise TypeError(f"PolicySlot holds an nn.Module or a mapping of tensors, got {type(model).__name__}")
+
+
+@dataclass
+class SlotStats:
+    """Counters of a :class:`PolicySlot`."""
+
+    leases: int = 0
+    applies: int = 0
+    failed_applies: int = 0
+    last_apply_s: float = 0.0
+    total_apply_s: float = 0.0
+    last_lock_wait_s: float = 0.0
+    max_concurrent_leases: int = 0
+
+
+@dataclass(eq=False)
+class PolicySlot(Generic[M]):
+    """The rollout model and the version of the weights it holds.
+
+    ``version`` is ``None`` until the first apply (or give the version the model was loaded
+    with). ``timeout`` bounds every wait (leases waiting for an apply or for the first weights,
+    applies waiting for leases to end). ``backup`` keeps a copy of the model's tensors taken
+    before each apply and restores it if the apply fails (one extra model copy, reused; the
+    copies run in a worker thread). Turn it off only when every ``write`` is all-or-nothing by
+    itself: otherwise a failed apply may leave partly written weights (the version is still
+    kept).
+    """
+
+    model: M
+    version: int | None = None
+    timeout: float = 300.0
+    backup: bool = True
+    stats: SlotStats = field(default_factory=SlotStats)
+    #: The exception of the last failed apply, or ``None``.
+    last_error: BaseException | None = None
+    _readers: int = field(default=0, repr=False)
+    _writing: bool = field(default=False, repr=False)
+    _writers_waiting: int = field(default=0, repr=False)
+    _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
+    _apply_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
+    _backup: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    # -- shared state ---------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    @property
+    def readers(self) -> int:
+        """Leases held right now."""
+        return self._readers
+
+    @property
+    def applying(self) -> bool:
+        """Whether an apply holds the model right now."""
+        return self._writing
+
+    def _can_read(self) -> bool:
+        # Writer preference: a waiting apply holds back new leases, so it cannot starve.
+        return not self._writing and not self._writers_waiting and self.version is not None
+
+    # -- readers ----------------------------------------------------------------------
+
+    def _enter_read(self) -> Lease:
+        self._readers += 1
+        self.stats.leases += 1
+        self.stats.max_concurrent_leases = max(self.stats.max_concurrent_leases, self._readers)
+        return Lease(self.model, self.version)
+
+    def _exit_read(self) -> None:
+        self._readers -= 1
+        if self._readers == 0:
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def lease(self, timeout: float | None = None) -> AsyncIterator[Lease]:
+        """Hold the model for reading: yields ``(model, version)``.
+
+        Waits while an apply runs or is waiting, and until the first weights exist. No apply
+        writes into the model while any lease is held. Raises
+        :class:`aiosync.errors.PeerTimeoutError` after ``timeout`` (default: the slot's).
+        """
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(timeout):
+                while not self._can_read():
+                    await self._changed.wait()
+        except TimeoutError as exc:
+            why = "no weights were applied yet" if self.version is None else "an apply held the model"
+            raise PeerTimeoutError(f"lease not granted within {timeout}s: {why}") from exc
+        lease = self._enter_read()
+        try:
+            yield lease
+        finally:
+            self._exit_read()
+
+    @contextlib.contextmanager
+    def lease_nowait(self) -> Iterator[Lease]:
+        """Like :meth:`lease` without waiting: raises :class:`aiosync.errors.WouldBlock` when an
+        apply runs or waits, or no weights exist yet. The lease may be held across awaits."""
+        if not self._can_read():
+            raise WouldBlock("the policy slot is being written, or holds no weights yet")
+        lease = self._enter_read()
+        try:
+            yield lease
+        finally:
+            self._exit_read()
+
+    # -- the writer -------------------------------------------------------------------
+
+    async def apply(self, write: Callable[[M], Awaitable[int]], *, timeout: float | None = None,
+                    backup: bool | None = None) -> int:
+        """Write a new version into the model atomically with respect to leases.
+
+        ``write(model)`` writes the new weights and returns their version (e.g. a syncer's
+        ``apply``). It runs alone: after the leases in use have ended and while new ones wait.
+        The slot's version becomes the returned one, which must be greater than the current.
+        If ``write`` raises, or returns a version that does not increase, the tensors are
+        restored from the backup, the version is left as it was, and
+        :class:`aiosync.errors.ApplyError` is raised (cancellation is re-raised after the same
+        rollback). Applies are serialized in call order.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        async with self._apply_lock:
+            if self.backup:
+                await run_sync(self._take_backup)
+            started = time.perf_counter()
+            self._writers_waiting += 1
+            try:
+                with anyio.fail_after(timeout):
+                    while self._writing or self._readers:
+                        await self._changed.wait()
+            except TimeoutError as exc:
+                raise PeerTimeoutError(
+                    f"apply could not take the model within {timeout}s: {self._readers} lease(s) still held"
+                ) from exc
+            finally:
+                self._writers_waiting -= 1
+                if not self._writing:
+                    self._notify()
+            self._writing = True
+            self.stats.last_lock_wait_s = time.perf_counter() - started
+            t0 = time.perf_counter()
+            try:
+                new_version = await write(self.model)
+                if isinstance(new_version, bool) or not isinstance(new_version, int):
+                    raise VersionError(f"apply returned {new_version!r}, not an integer version")
+                if self.version is not None and new_version <= self.version:
+                    raise VersionError(
+                        f"apply returned version {new_version}, not above the applied version {self.version}"
+                    )
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    await self._rollback(backup)
+                self.stats.failed_applies += 1
+                self.last_error = exc
+                self._writing = False
+                self._notify()
+                if isinstance(exc, Exception):
+                    raise ApplyError(
+                        f"apply failed and was rolled back (version stays {self.version}): {type(exc).__name__}: {exc}"
+                    ) from exc
+                raise
+            self.version = int(new_version)
+            self.last_error = None
+            dt = time.perf_counter() - t0
+            self.stats.applies += 1
+            self.stats.last_apply_s = dt
+            self.stats.total_apply_s += dt
+            self._writing = False
+            self._notify()
+            return self.version
+
+    def _take_backup(self) -> None:
+        tensors = _state_tensors(self.model)
+        backup = self._backup
+        if backup is None or backup.keys() != tensors.keys() or any(
+            backup[k].shape != t.shape or backup[k].dtype != t.dtype or backup[k].device != t.device
+            for k, t in tensors.items()
+        ):
+            backup = {k: torch.empty_like(t) for k, t in tensors.items()}
+        with torch.no_grad():
+            for k, t in tensors.items():
+                backup[k].copy_(t)
+        self._backup = backup
+
+    def _restore_backup(self) -> None:
+        tensors = _state_tensors(self.model)
+        with torch.no_grad():
+            for k, t in tensors.items():
+                t.copy_(self._backup[k])
+
+    async def _rollback(self, backup: bool) -> None:
+        if backup and self._backup is not None:
+            await run_sync(self._restore_backup)
+
+
+@dataclass
+class LatestSlotStats:
+    """Counters of a :class:`LatestSlot`."""
+
+    puts: int = 0
+    coalesced: int = 0
+    taken: int = 0
+    #: Most items ever waiting at once (1 by construction: shown so that it can be checked).
+    max_pending: int = 0
+
+
+_EMPTY: Any = object()
+
+
+@dataclass(eq=False)
+class LatestSlot(Generic[T]):
+    """A one-item, latest-wins mailbox between a producer and one consumer.
+
+    :meth:`put_nowait` never blocks: if an item is already waiting, the new one replaces it
+    (``merge(old, new)`` can combine them instead) and ``stats.coalesced`` counts it. :meth:`get`
+    waits for an item. After :meth:`close`, puts raise :class:`aiosync.errors.ClosedResourceError`
+    and gets still return the waiting item, then raise :class:`aiosync.errors.EndOfStream`.
+    """
+
+    merge: Callable[[T, T], T] | None = None
+    stats: LatestSlotStats = field(default_factory=LatestSlotStats)
+    _item: Any = field(default=_EMPTY, repr=False)
+    _closed: bool = False
+    _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    @property
+    def pending(self) -> int:
+        """Items waiting: 0 or 1."""
+        return 0 if self._item is _EMPTY else 1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def peek(self) -> T | None:
+        """The waiting item, or ``None``."""
+        return None if self._item is _EMPTY else self._item
+
+    def put_nowait(self, item: T) -> bool:
+        """Offer ``item``; returns ``True`` when it was merged into (coalesced with) a waiting one."""
+        if self._closed:
+            raise ClosedResourceError("put on a closed LatestSlot")
+        self.stats.puts += 1
+        coalesced = self._item is not _EMPTY
+        if coalesced:
+            self.stats.coalesced += 1
+            item = self.merge(self._item, item) if self.merge is not None else item
+        self._item = item
+        self.stats.max_pending = max(self.stats.max_pending, self.pending)
+        self._notify()
+        return coalesced
+
+    def get_nowait(self) -> T:
+        """Take the waiting item; :class:`WouldBlock` if none, :class:`EndOfStream` if closed and empty."""
+        if self._item is _EMPTY:
+            if self._closed:
+                raise EndOfStream("the LatestSlot is closed and empty")
+            raise WouldBlock("no item is waiting")
+        item, self._item = self._item, _EMPTY
+        self.stats.taken += 1
+        self._notify()
+        return item
+
+    async def get(self, timeout: float | None = None) -> T:
+        """Wait for an item and take it; :class:`PeerTimeoutError` after ``timeout`` seconds."""
+        try:
+            with anyio.fail_after(timeout):
+                while self._item is _EMPTY and not self._closed:
+                    await self._changed.wait()
+        except TimeoutError as exc:
+            raise PeerTimeoutError(f"nothing was put within {timeout}s") from exc
+        return self.get_nowait()
+
+    def discard(self) -> T | None:
+        """Drop the waiting item (if any) and return it."""
+        item, self._item = self._item, _EMPTY
+        if item is _EMPTY:
+            return None
+        self._notify()
+        return item
+
+    def close(self) -> None:
+        """No more puts; a waiting item can still be taken."""
+        self._closed = True
+        self._notify()

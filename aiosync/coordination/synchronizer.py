@@ -1,0 +1,601 @@
+"""The :class:`Synchronizer`: coordinates one trainer and many explorers inside an event loop.
+
+Use it as an async context manager inside your own runner; it owns a few background tasks
+(one delivery task and one apply task per explorer, and a loop-lag ticker) and nothing else::
+
+    async with Synchronizer(config, weight_syncer) as sync:
+        trainer = await sync.attach_trainer(policy)             # publishes version 0
+        explorer = await sync.attach_explorer("e0", rollout)    # first sync: always blocking
+        ...  # your trainer and explorer coroutines, see TrainerHandle / ExplorerHandle
+        await trainer.stop()
+    # leaving the block drains: every explorer holds the trainer's last published weights
+
+The trainer and explorer loops stay yours (S1): they call :meth:`TrainerHandle.need_sync` /
+:meth:`TrainerHandle.sync_weight` and :meth:`ExplorerHandle.need_sync` /
+:meth:`ExplorerHandle.sync_weight` at their check points, or the one-call
+``step_done()`` helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from ..errors import ApplyError, ConfigError, PeerTimeoutError, StateTransitionError, VersionError
+from ..syncers.base import WeightSyncer
+from ..syncers.selection import collect_param_names_need_sync
+from ..transports.base import Transport
+from ..transports.checkpoint import CheckpointDir
+from ..transports.inproc import inproc_pair
+from .config import SynchronizerConfig
+from .link import ReceiverEndpoint, SenderLink, SyncerFactory
+from .metrics import LoopLagMonitor, RunningStat, log_metrics
+from .slots import PolicySlot
+from .sources import CheckpointSource, DirectSource, MemorySource
+from .staleness import FilterResult, StalenessFilter
+from .states import RunningStatus, StatusCell
+from .styles import SyncMethod, SyncStyle, explorer_step_syncs, trainer_step_syncs
+
+log = logging.getLogger("aiosync.sync")
+
+TransportFactory = Callable[[str], "tuple[Transport, Transport]"]
+
+
+
+def _syncer_factory(weight_syncer: Any) -> tuple[SyncerFactory, Any]:
+    """``(make_syncer(bootstrap), what to check)`` from a config or a zero-argument factory."""
+    if callable(weight_syncer) and not isinstance(weight_syncer, Mapping) and not dataclasses.is_dataclass(weight_syncer):
+        probe = weight_syncer()
+        if not isinstance(probe, WeightSyncer):
+            raise ConfigError(f"weight_syncer factory returned {type(probe).__name__}, not a WeightSyncer")
+        return (lambda bootstrap: weight_syncer()), probe
+    from ..syncers.config import WeightSyncerConfig
+
+    cfg = WeightSyncerConfig.from_any(weight_syncer)
+    repair_cfg = cfg
+    if cfg.type == "patch" and (not cfg.patch.init_sync.enabled or cfg.patch.init_sync.prefixes is not None):
+        # A repair re-bootstraps every key: it must not trust the receiver's old weights.
+        init = dataclasses.replace(cfg.patch.init_sync, enabled=True, prefixes=None)
+        repair_cfg = dataclasses.replace(cfg, patch=dataclasses.replace(cfg.patch, init_sync=init))
+
+    def make(bootstrap: bool) -> WeightSyncer:
+        return WeightSyncer.create(repair_cfg if bootstrap else cfg)
+
+    return make, cfg
+
+
+@dataclass(eq=False)
+class TrainerHandle:
+    """The trainer's side of a :class:`Synchronizer` (made by :meth:`Synchronizer.attach_trainer`).
+
+    ``step`` counts train steps (advance it with :meth:`step_done`, or set it); ``version`` is
+    the last published version. Check points (S1): while waiting for samples and after each
+    train step, ``if trainer.need_sync(): await trainer.sync_weight()``.
+    """
+
+    sync: "Synchronizer"
+    live: Callable[[], Mapping[str, torch.Tensor]]
+    names: list[str]
+    version: int
+    state: StatusCell
+    step: int = 0
+    syncs: int = 0
+    handshake_timeouts: int = 0
+    publish_s: RunningStat = field(default_factory=RunningStat)
+    sync_s: RunningStat = field(default_factory=RunningStat)
+
+    @property
+    def status(self) -> RunningStatus:
+        """STOPPED, RUNNING, or REQUIRE_SYNC (only during an NCCL handshake)."""
+        return self.state.status
+
+    @property
+    def current_version(self) -> int:
+        """The version of the trainer's weights now: its step count, or the last published version."""
+        return max(self.version, self.step)
+
+    def need_sync(self) -> bool:
+        """Whether the trainer should call :meth:`sync_weight` now.
+
+        True when its schedule says so (FIXED, TRAINER_DRIVEN: every ``sync_interval`` steps,
+        once per step) or when explorers are waiting for it (EXPLORER_DRIVEN requests, NCCL
+        handshakes).
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            return False
+        cfg = self.sync.config
+        if trainer_step_syncs(cfg.style, self.step, cfg.sync_interval) and self.step > self.version:
+            return True
+        return bool(self.sync.source.waiting)
+
+    async def sync_weight(self, version: int | None = None, *, wait: bool | None = None) -> dict[str, Any]:
+        """Publish the trainer's current weights as ``version`` (default: the step count, or the
+        last version + 1) and hand them to the explorers; returns this sync's metrics.
+
+        MEMORY / CHECKPOINT: the weights are copied to memory / written to disk and the trainer
+        stays RUNNING; explorers pull them. NCCL: a handshake — the trainer is REQUIRE_SYNC
+        while the explorers that asked (or, FIXED / TRAINER_DRIVEN, all of them) build their
+        payloads from its live tensors, then RUNNING again; its weights must not change
+        meanwhile.
+
+        ``wait`` (default: ``not sync_weight_no_wait``) waits until the explorers handed this
+        version have applied it; the first sync always waits. A waiting sync first waits for
+        outstanding background applies (S9).
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            raise StateTransitionError("trainer: sync_weight after stop()")
+        sync, cfg = self.sync, self.sync.config
+        if version is None:
+            version = self.step if self.step > self.version else self.version + 1
+        if version <= self.version:
+            raise VersionError(f"trainer: version {version} is not above the last published {self.version}")
+        blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
+        t0 = time.perf_counter()
+        if blocking:
+            await sync._wait_links_idle(sync._links(), cfg.delivery_timeout)
+        push = cfg.sync_weight_no_wait and cfg.style is SyncStyle.TRAINER_DRIVEN
+        handed: list[tuple[SenderLink, int]] = []
+        if cfg.method is SyncMethod.NCCL:
+            handed = await self._handshake(version, push)
+        else:
+            pub = await sync.source.publish(self.live(), self.names, version)
+            self.publish_s.add(sync.source.publish_s)
+            self.version = pub.version
+            if push or (blocking and self.syncs == 0):
+                handed = [(link, link.request()) for link in sync._links()]
+        self.version = version
+        self.syncs += 1
+        if blocking and handed:
+            await sync._wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
+        dt = time.perf_counter() - t0
+        self.sync_s.add(dt)
+        return {"version": version, "blocking": blocking, "handed_to": [link.name for link, _ in handed], "sync_s": dt}
+
+    async def _handshake(self, version: int, push: bool, *, reopen: bool = False,
+                         only: "list[SenderLink] | None" = None) -> list[tuple[SenderLink, int]]:
+        """NCCL: open a window on the live tensors, wait for the expected links, close it."""
+        sync, cfg = self.sync, self.sync.config
+        source: DirectSource = sync.source
+        links = only if only is not None else sync._links()
+        self.state.set(RunningStatus.REQUIRE_SYNC)
+        try:
+            window = source.open(self.live(), version, reopen=reopen)
+            self.version = version
+            handed = []
+            expected = set(source.waiting)
+            for link in links:
+                if push or only is not None:
+                    handed.append((link, link.request()))
+                if link.in_flight is None and (only is not None or cfg.style is not SyncStyle.EXPLORER_DRIVEN):
+                    expected.add(link)
+            deadline = time.monotonic() + cfg.sync_timeout
+            missing = await source.wait_window_done(window, expected, deadline)
+            if missing:
+                self.handshake_timeouts += len(missing)
+                log.info("aiosync: NCCL handshake of version %d timed out for %s", version,
+                         ", ".join(sorted(link.name for link in missing)))
+            joined = [link for link in links if link in window.joined]
+            handed_names = {link.name for link, _ in handed}
+            handed += [(link, link.in_flight.seq if link.in_flight is not None else link.served_seq)
+                       for link in joined if link.name not in handed_names]
+        finally:
+            source.close_window()
+            if self.state.status is RunningStatus.REQUIRE_SYNC:
+                self.state.set(RunningStatus.RUNNING)
+        return handed
+
+    async def step_done(self) -> bool:
+        """Count one train step; sync if the schedule (or a waiting explorer) asks. Returns
+        whether a sync happened."""
+        self.step += 1
+        if self.need_sync():
+            await self.sync_weight()
+            return True
+        return False
+
+    async def stop(self, *, publish_final: bool = True) -> None:
+        """Stop the trainer (STOPPED). Explorers waiting on it return at once with what they have.
+
+        With ``publish_final`` (default), weights trained since the last sync (``step`` above
+        ``version``) are published first, so the final weights reach the explorers. With NCCL,
+        explorers that missed the last version get it now, while the live tensors still hold it.
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            return
+        sync, cfg = self.sync, self.sync.config
+        if publish_final and self.step > self.version:
+            await self.sync_weight(self.step)
+        if cfg.method is SyncMethod.NCCL:
+            for _ in range(3):
+                await sync._wait_links_idle(sync._links(), cfg.delivery_timeout)
+                behind = [link for link in sync._links()
+                          if link.needs_reinit or link.applied_version is None or link.applied_version < self.version]
+                if not behind:
+                    break
+                handed = await self._handshake(self.version, True, reopen=True, only=behind)
+                await sync._wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
+        self.state.set(RunningStatus.STOPPED)
+        sync.source.stop()
+
+    def filter_stale(self, samples: Iterable[Any], current_version: int | None = None) -> FilterResult:
+        """Apply the synchronizer's staleness filter (``max_staleness``) to samples stamped with
+        the version that generated them, relative to ``current_version`` (default: this
+        trainer's :attr:`current_version`)."""
+        return self.sync.staleness.filter(samples, self.current_version if current_version is None else current_version)
+
+
+@dataclass(eq=False)
+class ExplorerHandle:
+    """One explorer's side of a :class:`Synchronizer` (made by :meth:`Synchronizer.attach_explorer`).
+
+    Roll out through ``async with explorer.lease() as (model, version)`` and stamp every
+    trajectory with ``version``. Check point (S1): after each explore step,
+    ``if explorer.need_sync(): await explorer.sync_weight()`` — or ``await explorer.step_done()``.
+    """
+
+    sync: "Synchronizer"
+    name: str
+    slot: PolicySlot
+    link: SenderLink
+    endpoint: ReceiverEndpoint
+    state: StatusCell
+    step: int = 0
+
+    @property
+    def status(self) -> RunningStatus:
+        """RUNNING, REQUIRE_SYNC (a sync is requested or in progress) or STOPPED."""
+        return self.state.status
+
+    @property
+    def version(self) -> int | None:
+        """The version of the weights the explorer's model holds now (the applied version)."""
+        return self.slot.version
+
+    @property
+    def timeouts(self) -> int:
+        """Requests that timed out waiting for the trainer."""
+        return self.link.stats.timeouts
+
+    def lease(self, timeout: float | None = None):
+        """``async with explorer.lease() as (model, version)``: see :meth:`PolicySlot.lease`."""
+        return self.slot.lease(timeout)
+
+    def need_sync(self) -> bool:
+        """Whether the explorer should call :meth:`sync_weight` now (after explore step ``step``)."""
+        if self.state.status is RunningStatus.STOPPED or self.link.busy:
+            return False
+        sync, cfg = self.sync, self.sync.config
+        if cfg.style is not SyncStyle.TRAINER_DRIVEN:
+            return explorer_step_syncs(cfg.style, self.step, cfg.sync_interval, cfg.sync_offset)
+        if cfg.method is SyncMethod.NCCL:
+            window = sync.source.window
+            return window is not None and self.link not in window.joined
+        latest = sync.source.latest
+        return latest is not None and (self.slot.version is None or latest.version > self.slot.version)
+
+    async def sync_weight(self, *, wait: bool | None = None) -> int | None:
+        """Ask for the newest weights; returns the version the model holds afterwards.
+
+        Moves to REQUIRE_SYNC until the request is served. ``wait`` (default:
+        ``not sync_weight_no_wait``) waits until the new weights are applied; otherwise the
+        apply runs in the background and the old weights stay in use until it atomically
+        swaps them. EXPLORER_DRIVEN and NCCL requests wait for the trainer at most
+        ``sync_timeout``; then the explorer carries on (RUNNING) and may ask again next cycle.
+        A STOPPED trainer answers at once.
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            raise StateTransitionError(f"explorer {self.name}: sync_weight after stop()")
+        sync, cfg = self.sync, self.sync.config
+        source = sync.source
+        blocking = not cfg.sync_weight_no_wait if wait is None else wait
+        needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
+        if source.trainer_stopped:
+            latest = source.latest
+            if cfg.method is SyncMethod.NCCL or latest is None or (
+                self.slot.version is not None and latest.version <= self.slot.version
+            ):
+                return self.slot.version  # S5: nothing newer will come
+            needs_trainer = False
+        if needs_trainer:
+            deadline = time.monotonic() + cfg.sync_timeout
+            fresh_after = source.seq if cfg.method is not SyncMethod.NCCL else None
+            seq = self.link.request(fresh_after=fresh_after, deadline=deadline)
+        else:
+            seq = self.link.request()
+        if blocking:
+            await self.link.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
+        return self.slot.version
+
+    async def step_done(self) -> int | None:
+        """Count one explore step; sync if :meth:`need_sync`. Returns the version held."""
+        self.step += 1
+        if self.need_sync():
+            await self.sync_weight()
+        return self.slot.version
+
+    async def wait_applied(self, timeout: float | None = None) -> int | None:
+        """Wait until no delivery is pending or in flight (background applies done)."""
+        timeout = self.sync.config.delivery_timeout if timeout is None else timeout
+        if not await self.link.wait_idle(timeout):
+            raise PeerTimeoutError(f"explorer {self.name}: deliveries still running after {timeout}s")
+        return self.slot.version
+
+    async def stop(self) -> None:
+        """Stop the explorer (STOPPED) after its outstanding background applies finished (S9).
+
+        The synchronizer may still deliver to a stopped explorer's model when it drains.
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            return
+        await self.link.wait_idle(self.sync.config.sync_timeout + self.sync.config.delivery_timeout)
+        self.state.set(RunningStatus.STOPPED)
+
+
+class Synchronizer:
+    """Coordinates weight syncs between one trainer and any number of explorers (S1-S13).
+
+    ``config``: a :class:`SynchronizerConfig`, mapping or OmegaConf node (``None``: defaults).
+    ``weight_syncer``: a ``weight_syncer`` config (default: the shipped
+    ``weight_syncer/patch_syncer``: patch mode with init bootstrap), or a
+    zero-argument callable returning a fresh :class:`aiosync.syncers.base.WeightSyncer`.
+    ``transport_factory(name) -> (synchronizer_end, explorer_end)`` makes each explorer's
+    channel (default: in-process, zero copy). ``loop_lag_interval``: period of the event-loop
+    lag ticker in seconds (``None`` disables it).
+
+    Invalid combinations (bucket + ``sync_weight_no_wait``, ...) raise
+    :class:`aiosync.errors.ConfigError` here, before any sync.
+    """
+
+    def __init__(self, config: Any = None, weight_syncer: Any = None, *,
+                 transport_factory: TransportFactory | None = None,
+                 loop_lag_interval: float | None = 0.002) -> None:
+        self.config = SynchronizerConfig.from_any(config)
+        if weight_syncer is None:
+            from ..configs import load_config
+
+            weight_syncer = load_config("weight_syncer/patch_syncer")
+        self._make_syncer, probe = _syncer_factory(weight_syncer)
+        self.config.check_weight_syncer(probe)
+        delivery_timeout = self.config.delivery_timeout
+        self._transport_factory = transport_factory or (lambda name: inproc_pair(timeout=delivery_timeout))
+        if self.config.method is SyncMethod.MEMORY:
+            self.source: Any = MemorySource()
+        elif self.config.method is SyncMethod.CHECKPOINT:
+            self.source = CheckpointSource(directory=CheckpointDir(self.config.checkpoint_dir))
+        else:
+            self.source = DirectSource()
+        self.staleness = StalenessFilter(self.config.max_staleness, self.config.staleness_mode,
+                                         self.config.staleness_decay)
+        self.loop_lag = LoopLagMonitor(loop_lag_interval) if loop_lag_interval else None
+        self.trainer: TrainerHandle | None = None
+        self.explorers: dict[str, ExplorerHandle] = {}
+        self._transports: list[Transport] = []
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._drained = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Synchronizer":
+        if self._tg is not None:
+            raise RuntimeError("a Synchronizer can be entered once")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        if self.loop_lag is not None:
+            self._tg.start_soon(self.loop_lag.run)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool | None:
+        if exc_type is None:
+            try:
+                await self.drain()
+            except BaseException as err:
+                self._shutdown(cancel=True)
+                await self._tg.__aexit__(type(err), err, err.__traceback__)
+                raise
+        self._shutdown(cancel=exc_type is not None or not self._drained)
+        return await self._tg.__aexit__(exc_type, exc, tb)
+
+    def _shutdown(self, cancel: bool) -> None:
+        for handle in self.explorers.values():
+            handle.link.close()
+            handle.link.closed = True
+            handle.link._notify()
+        for transport in self._transports:
+            close = getattr(transport, "close", None)
+            if close is not None:
+                close()
+        if self.loop_lag is not None:
+            self.loop_lag.stop()
+        if cancel:
+            self._tg.cancel_scope.cancel()
+
+    def _require_started(self) -> anyio.abc.TaskGroup:
+        if self._tg is None:
+            raise RuntimeError("use the Synchronizer as `async with Synchronizer(...) as sync:`")
+        return self._tg
+
+    # -- attaching -------------------------------------------------------------------------
+
+    async def attach_trainer(self, model: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int = 0,
+                             param_names: Iterable[str] | None = None) -> TrainerHandle:
+        """Register the trainer's model (or state dict) and publish its weights as ``version``.
+
+        Synced keys default to trainable parameters and persistent buffers of a module (W5), or
+        every key of a mapping. The trainer moves STOPPED → RUNNING.
+        """
+        self._require_started()
+        if self.trainer is not None:
+            raise RuntimeError("a trainer is already attached")
+        if isinstance(model, torch.nn.Module):
+            live = model.state_dict
+            names = list(param_names) if param_names is not None else collect_param_names_need_sync(model)
+        elif isinstance(model, Mapping):
+            live = lambda: model  # noqa: E731
+            names = list(param_names) if param_names is not None else list(model)
+        else:
+            raise TypeError(f"attach_trainer takes an nn.Module or a mapping of tensors, got {type(model).__name__}")
+        handle = TrainerHandle(self, live, names, version, StatusCell("trainer"))
+        if self.config.method is SyncMethod.NCCL:
+            self.source.open(live(), version)
+            self.source.close_window()
+        else:
+            await self.source.publish(live(), names, version)
+        if self.config.method is SyncMethod.CHECKPOINT:
+            self.source.live = live
+        handle.state.set(RunningStatus.RUNNING)
+        self.trainer = handle
+        return handle
+
+    async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> ExplorerHandle:
+        """Register an explorer's rollout model (or a ready :class:`PolicySlot`) and give it the
+        trainer's current weights: the syncer pair's init conversation (bootstrap), then a
+        first, always blocking, sync. Explorers may join at any time (S12); with NCCL call it
+        while the trainer's weights are not changing (e.g. from the trainer's task).
+        """
+        tg = self._require_started()
+        if self.trainer is None:
+            raise RuntimeError("attach the trainer first: explorers are bootstrapped from its weights")
+        if name in self.explorers:
+            raise ValueError(f"an explorer named {name!r} is already attached")
+        slot = model if isinstance(model, PolicySlot) else PolicySlot(model, version)
+        sync_end, explorer_end = self._transport_factory(name)
+        self._transports += [sync_end, explorer_end]
+        state = StatusCell(f"explorer {name}")
+        link = SenderLink(name, sync_end, self._make_syncer, self.source, self.trainer.names,
+                          self.config.delivery_timeout, on_busy_change=lambda lk: self._on_busy(state, lk))
+        endpoint = ReceiverEndpoint(name, slot, explorer_end, self._make_syncer, timeout=self.config.delivery_timeout)
+        handle = ExplorerHandle(self, name, slot, link, endpoint, state)
+        self.explorers[name] = handle
+        tg.start_soon(link.run, name=f"aiosync-link-{name}")
+        tg.start_soon(endpoint.run, name=f"aiosync-apply-{name}")
+        state.set(RunningStatus.RUNNING)
+        cfg = self.config
+        if cfg.method is SyncMethod.NCCL:
+            handed = await self.trainer._handshake(self.trainer.version, True, reopen=True, only=[link])
+            await self._wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
+        else:
+            await self._wait_served([(link, link.request())], cfg.sync_timeout + cfg.delivery_timeout)
+        if link.last_outcome != "delivered":
+            err = link.stats.last_error or link.last_outcome or "no answer"
+            await self.detach_explorer(name)
+            raise ApplyError(f"explorer {name}: the first sync failed ({err})")
+        return handle
+
+    async def detach_explorer(self, name: str) -> None:
+        """Stop an explorer and close its channel (S12: explorers may also leave)."""
+        handle = self.explorers.pop(name)
+        await handle.stop()
+        handle.link.close()
+        handle.link.closed = True
+        for t in (handle.link.transport, handle.endpoint.transport):
+            close = getattr(t, "close", None)
+            if close is not None:
+                close()
+
+    # -- draining --------------------------------------------------------------------------
+
+    async def drain(self, timeout: float | None = None) -> dict[str, int | None]:
+        """Deliver the last published version to every explorer and wait for all applies.
+
+        Run on exit of the ``async with`` block. Failed deliveries are retried (re-bootstrap)
+        up to three times. Returns each explorer's applied version.
+        """
+        cfg = self.config
+        timeout = cfg.sync_timeout + cfg.delivery_timeout if timeout is None else timeout
+
+        async def drain_one(handle: ExplorerHandle) -> None:
+            link = handle.link
+            for _ in range(4):
+                await link.wait_idle(timeout)
+                target = self.source.latest.version if self.source.latest is not None else None
+                if target is None or (not link.needs_reinit and link.applied_version is not None
+                                      and link.applied_version >= target):
+                    return
+                if cfg.method is SyncMethod.NCCL and self.trainer.status is RunningStatus.STOPPED:
+                    return  # the trainer's stop() already served everyone it could
+                await link.wait_served(link.request(), timeout)
+
+        if self.trainer is not None:
+            async with anyio.create_task_group() as tg:
+                for handle in list(self.explorers.values()):
+                    tg.start_soon(drain_one, handle)
+        self._drained = all(not h.link.busy for h in self.explorers.values())
+        return {name: h.slot.version for name, h in self.explorers.items()}
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _links(self) -> list[SenderLink]:
+        return [h.link for h in self.explorers.values() if not h.link.closed]
+
+    @staticmethod
+    def _on_busy(state: StatusCell, link: SenderLink) -> None:
+        if link.busy:
+            state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
+        else:
+            state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
+
+    async def _wait_links_idle(self, links: list[SenderLink], timeout: float) -> None:
+        for link in links:
+            if not await link.wait_idle(timeout):
+                raise PeerTimeoutError(f"explorer {link.name}: background apply still running after {timeout}s")
+
+    async def _wait_served(self, handed: list[tuple[SenderLink, int]], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for link, seq in handed:
+            if not await link.wait_served(seq, max(0.0, deadline - time.monotonic())):
+                raise PeerTimeoutError(f"explorer {link.name}: sync not applied within {timeout}s")
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        """Everything measured so far (B6), as a nested dict of plain values."""
+        explorers = {}
+        totals = dict(requests=0, coalesced=0, delivered=0, failed=0, bytes_sent=0, changed_elements=0)
+        for name, h in self.explorers.items():
+            s, p = h.link.stats, h.link.pending.stats
+            row = {
+                "status": h.status.name,
+                "version": h.slot.version,
+                "requests": p.puts,
+                "coalesced": p.coalesced,
+                "max_pending": p.max_pending,
+                "delivered": s.delivered,
+                "failed": s.failed,
+                "timeouts": s.timeouts,
+                "up_to_date": s.up_to_date,
+                "reinits": s.reinits,
+                "bytes_sent": s.bytes_sent,
+                "changed_elements": s.changed_elements,
+                "build_s": s.build_s.as_dict(),
+                "transfer_s": s.transfer_s.as_dict(),
+                "apply_s": s.apply_s.as_dict(),
+                "lease_wait_s": h.slot.stats.last_lock_wait_s,
+                "leases": h.slot.stats.leases,
+                "last_error": s.last_error,
+            }
+            if self.trainer is not None and h.slot.version is not None:
+                row["staleness"] = self.trainer.current_version - h.slot.version
+            explorers[name] = row
+            for key in totals:
+                totals[key] += row[key]
+        out: dict[str, Any] = {"config": self.config.to_dict(), "explorers": explorers, "totals": totals,
+                               "staleness": self.staleness.summary()}
+        if self.trainer is not None:
+            t = self.trainer
+            out["trainer"] = {"status": t.status.name, "version": t.version, "step": t.step, "syncs": t.syncs,
+                              "handshake_timeouts": t.handshake_timeouts, "publish_s": t.publish_s.as_dict(),
+                              "sync_s": t.sync_s.as_dict()}
+        if self.loop_lag is not None:
+            out["loop_lag"] = self.loop_lag.summary()
+        return out
+
+    def log_metrics(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
+        """Log :meth:`metrics` as one line (flattened ``key=value`` pairs)."""
+        log_metrics(self.metrics(), logger, level)

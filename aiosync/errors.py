@@ -1,0 +1,69 @@
+"""The library's own exceptions.
+
+Every error aiosync raises on bad input derives from :class:`AiosyncError`, and most also
+derive from the builtin a caller would expect (``ValueError`` for bad values, ``TimeoutError``
+for a peer that does not answer), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class AiosyncError(Exception):
+    """Base class of every error raised by aiosync."""
+
+
+class ConfigError(AiosyncError, ValueError):
+    """A configuration value, key or combination is invalid."""
+
+
+class HandshakeError(AiosyncError, ValueError):
+    """Sender and receiver disagree on keys, shapes or dtypes."""
+
+
+class PayloadError(AiosyncError, ValueError):
+    """A received payload is malformed, truncated or of the wrong kind."""
+
+
+class PatchChainError(PayloadError):
+    """A patch was built on a base version the receiver does not hold."""
+
+    def __init__(self, message: str, *, expected_base: int | None, receiver_version: int | None):
+        super().__init__(message)
+        self.expected_base = expected_base
+        self.receiver_version = receiver_version
+
+
+class VersionError(AiosyncError, ValueError):
+    """A version did not strictly increase."""
+
+
+class CodecUnavailableError(AiosyncError, RuntimeError):
+    """A compression codec cannot run here (missing package or device)."""
+
+
+class PeerTimeoutError(AiosyncError, TimeoutError):
+    """A peer did not answer within the configured timeout."""
+
+
+class ClosedResourceError(AiosyncError):
+    """The channel or slot was closed by this side."""
+
+
+class EndOfStream(AiosyncError):
+    """The other side closed the channel; nothing more will arrive."""
+
+
+class WouldBlock(AiosyncError):
+    """A ``*_nowait`` call could not complete without waiting."""
+
+
+class ApplyError(AiosyncError, RuntimeError):
+    """Applying received weights failed; the previous weights and version were kept."""
+
+
+class StateTransitionError(AiosyncError, RuntimeError):
+    """A trainer or explorer was asked to move between states the protocol does not allow."""
+
+
+class TransportError(AiosyncError, ConnectionError):
+    """A transport failed to deliver a payload (a broken link, or a failure injected on purpose)."""

@@ -1,0 +1,199 @@
+"""Configuration of the weight syncers: the ``weight_syncer`` config group (W2-W4).
+
+The shipped YAML files live in ``aiosync/configs/weight_syncer/``; see
+:func:`aiosync.configs.load_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._strict import from_mapping
+from ..errors import ConfigError
+
+SYNCER_TYPES = ("patch", "bucket")
+PATCH_ENCODINGS = ("coo", "flat")
+COMPRESSIONS = ("none", "zstd", "nvcomp_lz4", "nvcomp_zstd")
+BUCKET_DTYPES = (None, "bfloat16", "float16", "float32")
+COMM_KEYS = ("use_ring_sync", "nccl_max_ctas", "nccl_min_ctas")
+
+_COMM_HINT = "communication options belong at the top of weight_syncer (next to `type`), not inside {}"
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """Options passed to the collective transport's broadcast/send/recv calls (W4).
+
+    They never change a payload's format. ``nccl_max_ctas`` / ``nccl_min_ctas`` map to the
+    NCCL communicator's ``max_ctas`` / ``min_ctas``; ``use_ring_sync`` forces ring broadcast.
+    """
+
+    use_ring_sync: bool = False
+    nccl_max_ctas: int | None = None
+    nccl_min_ctas: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_ring_sync, bool):
+            raise ConfigError(f"use_ring_sync must be true or false, got {self.use_ring_sync!r}")
+        for name in ("nccl_max_ctas", "nccl_min_ctas"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be null or a positive integer, got {value!r}")
+        if (
+            self.nccl_max_ctas is not None
+            and self.nccl_min_ctas is not None
+            and self.nccl_min_ctas > self.nccl_max_ctas
+        ):
+            raise ConfigError(
+                f"nccl_min_ctas ({self.nccl_min_ctas}) must not exceed nccl_max_ctas ({self.nccl_max_ctas})"
+            )
+
+    @property
+    def is_default(self) -> bool:
+        return not self.use_ring_sync and self.nccl_max_ctas is None and self.nccl_min_ctas is None
+
+    @classmethod
+    def or_none(cls, use_ring_sync: bool = False, nccl_max_ctas: int | None = None,
+                nccl_min_ctas: int | None = None) -> "CommOptions | None":
+        """The options, or ``None`` when all are at their defaults."""
+        opts = cls(use_ring_sync, nccl_max_ctas, nccl_min_ctas)
+        return None if opts.is_default else opts
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer (bytes), got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        shown = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{name} must be one of {shown}; got {value!r}")
+
+
+@dataclass
+class InitSyncConfig:
+    """One-time bootstrap of the receiver before patching starts (W8)."""
+
+    enabled: bool = False
+    prefixes: list[str] | None = None
+    bucket_size: int = 134217728
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"init_sync.enabled must be true or false, got {self.enabled!r}")
+        if self.prefixes is not None:
+            if isinstance(self.prefixes, str) or not all(isinstance(p, str) and p for p in self.prefixes):
+                raise ConfigError(f"init_sync.prefixes must be null or a list of non-empty strings, got {self.prefixes!r}")
+            self.prefixes = list(self.prefixes)
+        _check_positive_int("init_sync.bucket_size", self.bucket_size)
+
+
+@dataclass
+class PatchConfig:
+    """Options of :class:`aiosync.PatchWeightSyncer` (the ``patch:`` node)."""
+
+    snapshot_device: str = "cpu"
+    transport_device: str | None = None
+    delta_encoding: bool = True
+    compression: str = "none"
+    encoding: str = "coo"
+    compression_level: int = 3
+    recv_timeout: float | None = 600.0
+    init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.init_sync, dict):
+            self.init_sync = from_mapping(InitSyncConfig, self.init_sync, "weight_syncer.patch.init_sync")
+        if str(self.snapshot_device).split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"patch.snapshot_device must be cpu or cuda, got {self.snapshot_device!r}")
+        if self.transport_device is not None and str(self.transport_device).split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"patch.transport_device must be null, cpu or cuda, got {self.transport_device!r}")
+        if not isinstance(self.delta_encoding, bool):
+            raise ConfigError(f"patch.delta_encoding must be true or false, got {self.delta_encoding!r}")
+        _check_choice("patch.compression", self.compression, COMPRESSIONS)
+        _check_choice("patch.encoding", self.encoding, PATCH_ENCODINGS)
+        if self.compression.startswith("nvcomp") and str(self.transport_device or "cpu").split(":")[0] != "cuda":
+            raise ConfigError(
+                f"patch.compression={self.compression} runs on the GPU: set patch.transport_device: cuda "
+                "(or use compression: zstd on CPU)"
+            )
+        if not isinstance(self.compression_level, int) or not -7 <= self.compression_level <= 22:
+            raise ConfigError(f"patch.compression_level must be an integer in [-7, 22], got {self.compression_level!r}")
+        if self.recv_timeout is not None and not (isinstance(self.recv_timeout, (int, float)) and self.recv_timeout > 0):
+            raise ConfigError(f"patch.recv_timeout must be null or a positive number of seconds, got {self.recv_timeout!r}")
+
+
+@dataclass
+class BucketConfig:
+    """Options of :class:`aiosync.BucketWeightSyncer` (the ``bucket:`` node)."""
+
+    bucket_size: int = 536870912
+    bucket_dtype: str | None = None
+    bucket_device: str | None = None
+    is_agent: bool = False
+    load_instant: bool = True
+    recv_timeout: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("bucket.bucket_size", self.bucket_size)
+        _check_choice("bucket.bucket_dtype", self.bucket_dtype, BUCKET_DTYPES)
+        if self.bucket_device is not None and str(self.bucket_device).split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"bucket.bucket_device must be null, cpu or cuda, got {self.bucket_device!r}")
+        for name in ("is_agent", "load_instant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"bucket.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.recv_timeout is not None and not (isinstance(self.recv_timeout, (int, float)) and self.recv_timeout > 0):
+            raise ConfigError(f"bucket.recv_timeout must be null or a positive number of seconds, got {self.recv_timeout!r}")
+
+
+@dataclass
+class WeightSyncerConfig:
+    """The whole ``weight_syncer`` node: type, shared communication options, per-type options."""
+
+    type: str = "patch"
+    use_ring_sync: bool = False
+    nccl_max_ctas: int | None = None
+    nccl_min_ctas: int | None = None
+    patch: PatchConfig = field(default_factory=PatchConfig)
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+
+    def __post_init__(self) -> None:
+        if self.type not in SYNCER_TYPES:
+            raise ConfigError(
+                f"unknown weight_syncer.type {self.type!r}; valid types are: {', '.join(SYNCER_TYPES)}"
+            )
+        CommOptions(self.use_ring_sync, self.nccl_max_ctas, self.nccl_min_ctas)  # validates
+
+    @property
+    def comm_options(self) -> CommOptions | None:
+        return CommOptions.or_none(self.use_ring_sync, self.nccl_max_ctas, self.nccl_min_ctas)
+
+    @classmethod
+    def from_any(cls, config: Any) -> "WeightSyncerConfig":
+        """Build from a mapping, an OmegaConf node or a config dataclass; unknown keys raise.
+
+        A mapping that holds a single ``weight_syncer`` key (a whole experiment config) is
+        unwrapped.
+        """
+        if isinstance(config, cls):
+            return config
+        from .._strict import to_plain
+
+        data = to_plain(config)
+        if isinstance(data, dict) and set(data) == {"weight_syncer"}:
+            data = data["weight_syncer"]
+        if isinstance(data, dict) and "type" in data and data["type"] not in SYNCER_TYPES:
+            raise ConfigError(
+                f"unknown weight_syncer.type {data['type']!r}; valid types are: {', '.join(SYNCER_TYPES)}"
+            )
+        if isinstance(data, dict):
+            data = dict(data)
+            for sub, sub_cls in (("patch", PatchConfig), ("bucket", BucketConfig)):
+                if sub in data:
+                    data[sub] = from_mapping(
+                        sub_cls, data[sub], f"weight_syncer.{sub}",
+                        hints={k: _COMM_HINT.format(sub + ":") for k in COMM_KEYS},
+                    )
+        return from_mapping(cls, data, "weight_syncer")

@@ -1,0 +1,405 @@
+"""Encoding of builder output into :class:`WeightPatch` and back (W10, W11, B1).
+
+Two encodings share one container:
+
+* ``coo`` — the seed's: per tensor, 2-D COO ``rows``/``cols`` (optionally delta-coded) and
+  the new values' raw bytes.
+* ``flat`` — per tensor, gaps between consecutive changed row-major positions, and values
+  as zig-zag coded differences of bit patterns (new − old, modulo 2**bits) against the
+  receiver's old values: a change of one unit in the last place costs one small symbol.
+
+Decoding validates everything before anything is written: ordinals in range and strictly
+increasing, counts that add up, positions inside each tensor, byte lengths that match.
+Any violation is a :class:`aiosync.errors.PayloadError` naming the problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PayloadError
+from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
+from .payloads import EmptyWeightPatch, WeightPatch
+from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff
+
+_WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What both sides know about one synced tensor: its 2-D COO shape and element width."""
+
+    ordinal: int
+    rows: int
+    cols: int
+    elem_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def bits_dtype(self) -> torch.dtype:
+        return BITS_DTYPES[self.elem_size]
+
+
+# ------------------------------------------------------------------ value coding
+def zigzag_delta(new_bits: torch.Tensor, old_bits: torch.Tensor) -> torch.Tensor:
+    """Zig-zag code ``new − old`` modulo 2**bits; same dtype as the inputs.
+
+    ±1 becomes 2 / 1, so the changes of a slowly moving float fit in one small byte.
+    8-byte elements use XOR instead (no wider integer type to subtract in).
+    """
+    width = new_bits.element_size()
+    if width == 8:
+        return new_bits ^ old_bits
+    wide = _WIDER[width]
+    mod = 1 << (8 * width)
+    d = torch.remainder(new_bits.to(wide) - old_bits.to(wide), mod)
+    s = torch.where(d >= mod // 2, d - mod, d)
+    z = torch.where(s >= 0, 2 * s, -2 * s - 1)
+    return _narrow(z, width)
+
+
+def unzigzag_apply(old_bits: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`zigzag_delta`: the new bits given the old ones."""
+    width = old_bits.element_size()
+    if width == 8:
+        return old_bits ^ coded
+    wide = _WIDER[width]
+    mod = 1 << (8 * width)
+    z = torch.remainder(coded.to(wide), mod)
+    s = torch.where(z % 2 == 0, z // 2, -(z + 1) // 2)
+    new = torch.remainder(torch.remainder(old_bits.to(wide), mod) + s, mod)
+    return _narrow(new, width)
+
+
+def _narrow(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Wide integers in [0, 2**bits) → the bits dtype of ``width`` (two's complement)."""
+    dtype = BITS_DTYPES[width]
+    if dtype == torch.uint8:
+        return values.to(torch.uint8)
+    mod = 1 << (8 * width)
+    return torch.where(values >= mod // 2, values - mod, values).to(dtype)
+
+
+# ------------------------------------------------------------- varints (torch)
+def varint_encode(values: torch.Tensor) -> torch.Tensor:
+    """LEB128-encode non-negative int64 ``values`` (any device) into a uint8 tensor."""
+    values = values.to(torch.int64).reshape(-1)
+    if values.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    nbytes = torch.ones_like(values)
+    for k in range(1, 9):
+        nbytes += (values >= (1 << (7 * k))).to(torch.int64)
+    offsets = torch.cumsum(nbytes, 0) - nbytes
+    out = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=values.device)
+    for k in range(int(nbytes.max())):
+        sel = nbytes > k
+        chunk = (values[sel] >> (7 * k)) & 0x7F
+        more = (nbytes[sel] > k + 1).to(torch.int64) << 7
+        out[offsets[sel] + k] = (chunk | more).to(torch.uint8)
+    return out
+
+
+def varint_decode(data: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`varint_encode`; raises :class:`PayloadError` on a truncated stream."""
+    data = data.reshape(-1).to(torch.int64)
+    if data.numel() == 0:
+        return data
+    if int(data[-1]) >= 0x80:
+        raise PayloadError("varint stream is truncated (its last byte continues)")
+    is_end = data < 0x80
+    seg = torch.cumsum(is_end.to(torch.int64), 0) - is_end.to(torch.int64)
+    starts = torch.cat([data.new_zeros(1), torch.nonzero(is_end).reshape(-1)[:-1] + 1])
+    k = torch.arange(data.numel(), device=data.device) - starts[seg]
+    if int(k.max()) > 8:
+        raise PayloadError("varint longer than 9 bytes in the patch index stream")
+    out = torch.zeros(int(is_end.sum()), dtype=torch.int64, device=data.device)
+    out.index_add_(0, seg, (data & 0x7F) << (7 * k))
+    return out
+
+
+# ---------------------------------------------------------------------- encode
+def _on_cpu(diffs: list[TensorDiff]) -> bool:
+    return all(not d.positions.is_cuda for d in diffs)
+
+
+def _encode_flat(diffs: list[TensorDiff], layouts: list[TensorLayout]):
+    """Gap varints + planar zig-zag codes; numba on CPU, torch ops elsewhere."""
+    widths = [layouts[d.slot].elem_size for d in diffs]
+    group_n: dict[int, int] = {}
+    offs = []
+    for d, w in zip(diffs, widths):
+        offs.append(group_n.get(w, 0))
+        group_n[w] = group_n.get(w, 0) + d.nnz
+    device = diffs[0].positions.device
+    planes = {w: torch.empty((w, n), dtype=torch.uint8, device=device) for w, n in sorted(group_n.items())}
+    if _on_cpu(diffs):
+        import numpy as np
+
+        from .kernels import encode_flat
+
+        def one(i):
+            d = diffs[i]
+            buf = np.empty(d.nnz * 10, np.uint8)
+            nb, _ = encode_flat(d.positions.numpy(), _np_unsigned(d.new_bits), _np_unsigned(d.old_bits), d.nnz,
+                                widths[i], -1, buf, planes[widths[i]].numpy(), offs[i])
+            return torch.from_numpy(buf[:nb])
+
+        gaps = list(_codec_pool().map(one, range(len(diffs)))) if len(diffs) > 1 else [one(0)]
+    else:
+        gaps = []
+        for d, w, off in zip(diffs, widths, offs):
+            prev = torch.cat([d.positions.new_full((1,), -1), d.positions[:-1]])
+            gaps.append(varint_encode(d.positions - prev - 1))
+            z = zigzag_delta(d.new_bits, d.old_bits).reshape(-1)
+            zu = z.view(torch.uint8).view(-1, w)  # little-endian bytes of each code
+            planes[w][:, off:off + d.nnz] = zu.t()
+    gap_bytes = torch.tensor([g.numel() for g in gaps], dtype=torch.int64)
+    cols = torch.cat(gaps) if gaps else torch.empty(0, dtype=torch.uint8)
+    values = torch.cat([p.reshape(-1) for p in planes.values()]) if planes else torch.empty(0, dtype=torch.uint8)
+    return cols, values, gap_bytes
+
+
+def _np_unsigned(bits: torch.Tensor):
+    import numpy as np
+
+    u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[bits.element_size()]
+    return bits.contiguous().numpy().view(u)
+
+
+_POOL = None
+
+
+def _codec_pool():
+    global _POOL
+    if _POOL is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="aiosync-encode")
+    return _POOL
+
+
+def assemble_flat_patch(diffs: list[FlatDiff], layouts: list[TensorLayout], *, version: int,
+                        base_version: int | None) -> WeightPatch | EmptyWeightPatch:
+    """Build a ``flat`` patch from changes the builder already encoded (CPU fast path)."""
+    if not diffs:
+        return EmptyWeightPatch(version, base_version)
+    import numpy as np
+
+    by_width: dict[int, list] = {}
+    for d in diffs:
+        by_width.setdefault(layouts[d.slot].elem_size, []).append(d.planes)
+    planes = [np.concatenate(ps, axis=1).reshape(-1) if len(ps) > 1 else ps[0].reshape(-1)
+              for _, ps in sorted(by_width.items())]
+    ordinals = torch.tensor([layouts[d.slot].ordinal for d in diffs], dtype=torch.int64)
+    return WeightPatch(
+        version=version, base_version=base_version, encoding="flat", delta_encoded=False,
+        ordinals=downscale_nonnegative_indices(ordinals),
+        nnz_per_tensor=downscale_nonnegative_indices(torch.tensor([d.nnz for d in diffs], dtype=torch.int64)),
+        rows=None, cols=torch.from_numpy(np.concatenate([d.gaps for d in diffs])),
+        values=torch.from_numpy(np.concatenate(planes) if len(planes) > 1 else planes[0]),
+        gap_bytes=downscale_nonnegative_indices(torch.tensor([d.gaps.size for d in diffs], dtype=torch.int64)),
+    )
+
+
+def encode_patch(diffs: list[TensorDiff], layouts: list[TensorLayout], *, version: int,
+                 base_version: int | None, encoding: str, delta_encoding: bool) -> WeightPatch | EmptyWeightPatch:
+    """Turn builder output (``diffs`` indexed by slot into ``layouts``) into a patch."""
+    if not diffs:
+        return EmptyWeightPatch(version, base_version)
+    device = diffs[0].positions.device
+    ordinals = torch.tensor([layouts[d.slot].ordinal for d in diffs], dtype=torch.int64, device=device)
+    nnz = torch.tensor([d.nnz for d in diffs], dtype=torch.int64, device=device)
+    rows = gap_bytes = None
+    if encoding == "coo":
+        rows_l, cols_l = [], []
+        for d in diffs:
+            ncols = layouts[d.slot].cols
+            r = torch.div(d.positions, ncols, rounding_mode="floor")
+            c = d.positions - r * ncols
+            if delta_encoding:
+                r, c = delta_encode(r, c)
+            rows_l.append(r)
+            cols_l.append(c)
+        rows = downscale_nonnegative_indices(torch.cat(rows_l))
+        cols = downscale_nonnegative_indices(torch.cat(cols_l))
+        values = torch.cat([d.new_bits.reshape(-1).view(torch.uint8) for d in diffs])
+    elif encoding == "flat":
+        cols, values, gap_bytes = _encode_flat(diffs, layouts)
+        gap_bytes = downscale_nonnegative_indices(gap_bytes)
+    else:
+        raise ValueError(f"unknown patch encoding {encoding!r}")
+    return WeightPatch(
+        version=version, base_version=base_version, encoding=encoding,
+        delta_encoded=bool(delta_encoding and encoding == "coo"),
+        ordinals=downscale_nonnegative_indices(ordinals), nnz_per_tensor=downscale_nonnegative_indices(nnz),
+        rows=rows, cols=cols, values=values, gap_bytes=gap_bytes,
+    )
+
+
+# ---------------------------------------------------------------------- decode
+@dataclass
+class DecodedTensor:
+    """One tensor's changes, validated.
+
+    ``positions`` are int64, strictly increasing, inside the tensor. ``payload`` is the new
+    bits (``coo``) or, for ``flat``, a ``(width, n)`` uint8 view of the zig-zag code planes.
+    """
+
+    ordinal: int
+    positions: torch.Tensor
+    payload: torch.Tensor
+    is_delta: bool
+
+    def new_bits(self, old_bits: torch.Tensor) -> torch.Tensor:
+        """The bits to write, given the receiver's old bits at ``positions``."""
+        if not self.is_delta:
+            return self.payload.to(old_bits.device)
+        width = old_bits.element_size()
+        planes = self.payload.to(old_bits.device)
+        codes = planes.t().contiguous().view(BITS_DTYPES[width]).reshape(-1)
+        return unzigzag_apply(old_bits, codes)
+
+
+def _int_tensor(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise PayloadError(f"patch field {name} must be a tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise PayloadError(f"patch field {name} must be an integer tensor, got {t.dtype}")
+    return t.reshape(-1).to(torch.int64)
+
+
+def _check_header(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> tuple[list[int], list[int]]:
+    if patch.encoding not in ("coo", "flat"):
+        raise PayloadError(f"unknown patch encoding {patch.encoding!r}")
+    ordinals = _int_tensor(patch.ordinals, "ordinals").cpu()
+    nnz = _int_tensor(patch.nnz_per_tensor, "nnz_per_tensor").cpu()
+    if ordinals.numel() != nnz.numel():
+        raise PayloadError(f"patch has {ordinals.numel()} ordinals but {nnz.numel()} nnz_per_tensor entries")
+    if nnz.numel() and int(nnz.min()) < 0:
+        raise PayloadError("patch nnz_per_tensor has a negative count")
+    ords = ordinals.tolist()
+    for a, b in zip(ords, ords[1:]):
+        if b <= a:
+            raise PayloadError(f"patch ordinals must be strictly increasing, found {a} then {b} (duplicated or reordered)")
+    for o in ords:
+        if o not in layouts:
+            raise PayloadError(f"patch names tensor ordinal {o}, which the receiver does not sync")
+    counts = nnz.tolist()
+    for o, n in zip(ords, counts):
+        if n > layouts[o].numel:
+            raise PayloadError(f"patch claims {n} changes in tensor ordinal {o}, which has {layouts[o].numel} elements")
+    values = patch.values
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.uint8:
+        raise PayloadError("patch values must be a uint8 tensor of raw bytes")
+    want_bytes = sum(n * layouts[o].elem_size for o, n in zip(ords, counts))
+    if values.numel() != want_bytes:
+        raise PayloadError(f"patch values hold {values.numel()} bytes, expected {want_bytes} (truncated or malformed)")
+    return ords, counts
+
+
+def decode_patch(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> list[DecodedTensor]:
+    """Validate ``patch`` against the receiver's ``layouts`` (by ordinal) and split it per tensor."""
+    ords, counts = _check_header(patch, layouts)
+    if patch.encoding == "flat":
+        return _decode_flat(patch, layouts, ords, counts)
+    total = sum(counts)
+    cols = _int_tensor(patch.cols, "cols")
+    if cols.numel() != total:
+        raise PayloadError(f"patch carries {cols.numel()} index entries, expected {total} (truncated or malformed)")
+    if patch.rows is None:
+        raise PayloadError("coo patch without rows")
+    rows = _int_tensor(patch.rows, "rows")
+    if rows.numel() != total:
+        raise PayloadError(f"patch carries {rows.numel()} rows, expected {total}")
+    if total and (int(cols.min()) < 0 or int(rows.min()) < 0):
+        raise PayloadError("patch index stream holds a negative entry")
+    values = patch.values.reshape(-1)
+    out: list[DecodedTensor] = []
+    start = vstart = 0
+    for o, n in zip(ords, counts):
+        lay = layouts[o]
+        seg_r, seg_c = rows[start:start + n], cols[start:start + n]
+        if patch.delta_encoded:
+            seg_r, seg_c = delta_decode(seg_r, seg_c)
+        if n and (int(seg_r.max()) >= lay.rows or int(seg_c.max()) >= lay.cols or int(seg_c.min()) < 0):
+            raise PayloadError(f"patch position out of range for tensor ordinal {o} of 2-D shape ({lay.rows}, {lay.cols})")
+        pos = seg_r * lay.cols + seg_c
+        if n > 1 and not bool((pos[1:] > pos[:-1]).all()):
+            raise PayloadError(f"patch positions of tensor ordinal {o} are not strictly increasing")
+        nbytes = n * lay.elem_size
+        seg_v = values[vstart:vstart + nbytes]
+        try:
+            payload = seg_v.view(lay.bits_dtype)
+        except RuntimeError:  # unaligned after a narrower tensor's values
+            payload = seg_v.clone().view(lay.bits_dtype)
+        out.append(DecodedTensor(o, pos, payload, False))
+        start += n
+        vstart += nbytes
+    return out
+
+
+_DECODE_ERRORS = {-1: "is truncated", -2: "holds a varint longer than 9 bytes",
+                  -3: "points outside the tensor", -4: "has bytes left over (malformed)"}
+
+
+def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]) -> list[DecodedTensor]:
+    cols = patch.cols
+    if not isinstance(cols, torch.Tensor) or cols.dtype != torch.uint8:
+        raise PayloadError("flat patch index stream must be a uint8 tensor of varint bytes")
+    cols = cols.reshape(-1)
+    if patch.gap_bytes is None:
+        raise PayloadError("flat patch lacks gap_bytes")
+    gap_bytes = _int_tensor(patch.gap_bytes, "gap_bytes").cpu().tolist()
+    if len(gap_bytes) != len(ords) or any(b < 0 for b in gap_bytes) or sum(gap_bytes) != cols.numel():
+        raise PayloadError(f"flat patch gap_bytes {gap_bytes[:4]}... do not add up to its {cols.numel()} index bytes")
+    # value planes: one (width, n_w) block per element width, ascending
+    group_n: dict[int, int] = {}
+    offs = []
+    for o, n in zip(ords, counts):
+        w = layouts[o].elem_size
+        offs.append(group_n.get(w, 0))
+        group_n[w] = group_n.get(w, 0) + n
+    planes = {}
+    vstart = 0
+    values = patch.values.reshape(-1)
+    for w, n in sorted(group_n.items()):
+        planes[w] = values[vstart:vstart + w * n].view(w, n)
+        vstart += w * n
+    starts = [0]
+    for b in gap_bytes:
+        starts.append(starts[-1] + b)
+    on_cpu = not cols.is_cuda
+
+    def one(i: int) -> DecodedTensor:
+        o, n = ords[i], counts[i]
+        lay = layouts[o]
+        seg = cols[starts[i]:starts[i + 1]]
+        if on_cpu:
+            import numpy as np
+
+            from .kernels import decode_gaps
+
+            pos = np.empty(n, np.int64)
+            rc = decode_gaps(cols.numpy(), starts[i], starts[i + 1], n, lay.numel, pos)
+            if rc < 0:
+                raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[rc]}")
+            positions = torch.from_numpy(pos)
+        else:
+            gaps = varint_decode(seg)
+            if gaps.numel() != n:
+                raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {gaps.numel()} gaps, expected {n}")
+            positions = torch.cumsum(gaps + 1, 0) - 1
+            if n and int(positions[-1]) >= lay.numel:
+                raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]}")
+        w = lay.elem_size
+        return DecodedTensor(o, positions, planes[w][:, offs[i]:offs[i] + n], True)
+
+    if on_cpu and len(ords) > 1:
+        return list(_codec_pool().map(one, range(len(ords))))
+    return [one(i) for i in range(len(ords))]

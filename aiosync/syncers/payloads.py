@@ -1,0 +1,113 @@
+"""Messages that syncers exchange. Plain dataclasses of tensors, numbers and strings.
+
+Handshake (patch mode): the receiver sends :class:`ReceiverMetadata`, the sender answers
+with :class:`SenderHello`; then the optional bootstrap buckets follow. Each sync is then one
+:class:`WeightPatch`, :class:`CompressedWeightPatch` or :class:`EmptyWeightPatch`.
+Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ReceiverMetadata:
+    """What the receiver tells the sender about its model (W7)."""
+
+    ordered_keys: list[str]
+    original_shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    #: key → earlier key whose tensor it aliases (tied weights); written once, through the first.
+    aliases: dict[str, str] = field(default_factory=dict)
+    #: whether each tensor can be written through a 2-D view (W9).
+    viewable: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class SenderHello:
+    """The sender's answer to :class:`ReceiverMetadata`: accepted (and whether a bootstrap
+    follows), or refused with the reason, so the receiver fails instead of waiting."""
+
+    ok: bool
+    init_sync: bool = False
+    error: str | None = None
+    #: receiver ordinals that patches will touch, ascending.
+    synced_ordinals: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EmptyWeightPatch:
+    """Nothing changed since ``base_version``; applying it still moves the receiver to ``version``."""
+
+    version: int
+    base_version: int | None = None
+
+
+@dataclass
+class WeightPatch:
+    """Changed elements of the synced tensors (W10).
+
+    ``ordinals`` index the receiver's ``ordered_keys``; ``nnz_per_tensor[i]`` elements of
+    tensor ``ordinals[i]`` changed. With ``encoding="coo"`` (the seed's format) ``rows`` and
+    ``cols`` are 2-D COO coordinates, delta-coded when ``delta_encoded``; ``values`` are the
+    new elements' raw bytes. With ``encoding="flat"`` ``cols`` holds, per tensor, the gaps
+    between consecutive changed row-major positions (first gap from -1), ``rows`` is unused,
+    and ``values`` are the zig-zag coded differences between the new and the receiver's old
+    bit patterns. See ``docs/wire-format.md``.
+    """
+
+    version: int
+    base_version: int | None
+    encoding: str
+    delta_encoded: bool
+    ordinals: torch.Tensor
+    nnz_per_tensor: torch.Tensor
+    rows: torch.Tensor | None
+    cols: torch.Tensor
+    values: torch.Tensor  # uint8
+    #: ``flat`` only: bytes of ``cols`` taken by each tensor's gap stream.
+    gap_bytes: torch.Tensor | None = None
+
+    @property
+    def nnz(self) -> int:
+        return int(self.nnz_per_tensor.to(torch.int64).sum()) if self.nnz_per_tensor.numel() else 0
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.ordinals, self.nnz_per_tensor, self.rows, self.cols, self.values, self.gap_bytes]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class CompressedWeightPatch:
+    """A :class:`WeightPatch` whose index and value arrays are compressed (W12, B1).
+
+    ``blobs`` maps a stream name (``rows``, ``cols``, ``values.<width>``) to its compressed
+    bytes as a uint8 tensor; ``dtypes`` gives the index streams' dtypes and ``sizes`` every
+    stream's uncompressed length in bytes (used to bound decompression).
+    """
+
+    version: int
+    base_version: int | None
+    encoding: str
+    delta_encoded: bool
+    codec: str
+    ordinals: torch.Tensor
+    nnz_per_tensor: torch.Tensor
+    blobs: dict[str, torch.Tensor]
+    dtypes: dict[str, str]
+    sizes: dict[str, int]
+    gap_bytes: torch.Tensor | None = None
+
+    @property
+    def nnz(self) -> int:
+        return int(self.nnz_per_tensor.to(torch.int64).sum()) if self.nnz_per_tensor.numel() else 0
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(b.numel() for b in self.blobs.values())
+                + self.ordinals.numel() * self.ordinals.element_size()
+                + self.nnz_per_tensor.numel() * self.nnz_per_tensor.element_size())

@@ -1,0 +1,105 @@
+"""Which tensors are synced (W5, W8) and how sender tensors are materialised (W17)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ..errors import ConfigError, HandshakeError
+
+
+def collect_param_names_need_sync(module: torch.nn.Module) -> list[str]:
+    """State-dict names of trainable parameters and persistent buffers, in state-dict order (W5).
+
+    Parameters with ``requires_grad=False`` are left out. Every name of a tied (aliased)
+    parameter is kept, so a receiver that is not tied the same way still gets both.
+    """
+    wanted: set[str] = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            wanted.add(name)
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
+        for buf_name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and buf_name not in non_persistent:
+                wanted.add(f"{mod_name}.{buf_name}" if mod_name else buf_name)
+    return [k for k in module.state_dict(keep_vars=True) if k in wanted]
+
+
+def match_prefixes(keys: Iterable[str], prefixes: list[str] | None) -> list[str]:
+    """Keys selected by ``prefixes`` (W8): ``key == p`` or ``key.startswith(p + ".")``.
+
+    ``None`` selects every key. A prefix that matches nothing raises ``ConfigError``.
+    """
+    keys = list(keys)
+    if prefixes is None:
+        return keys
+    selected = []
+    hits = {p: 0 for p in prefixes}
+    for key in keys:
+        for p in prefixes:
+            if key == p or key.startswith(p + "."):
+                hits[p] += 1
+                selected.append(key)
+                break
+    missing = [p for p, n in hits.items() if n == 0]
+    if missing:
+        raise ConfigError(
+            f"init_sync.prefixes {missing} match no state-dict key; use null to bootstrap the whole "
+            "state dict, or fix the prefix (nested modules such as 'action_head.value_head' need their full path)"
+        )
+    return selected
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def materialize(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the full value: DTensors are gathered (a collective: every rank
+    of the mesh must call this in the same order), plain tensors are returned detached."""
+    if is_dtensor(tensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach()
+
+
+def select_sync_names(state_dict: Mapping[str, torch.Tensor], names: Iterable[str] | None) -> list[str]:
+    """Validate ``param_names_need_sync`` against the sender's state dict, keeping state-dict order."""
+    if names is None:
+        return list(state_dict)
+    wanted = list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in state_dict]
+    if missing:
+        raise HandshakeError(f"param_names_need_sync names keys missing from the sender's state dict: {missing[:5]}")
+    wanted_set = set(wanted)
+    return [k for k in state_dict if k in wanted_set]
+
+
+def module_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The live tensors of ``model``: its ``state_dict()`` for a module, the mapping itself otherwise."""
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()
+    if isinstance(model, Mapping):
+        return model
+    raise TypeError(f"expected an nn.Module or a mapping of tensors, got {type(model).__name__}")
+
+
+def alias_groups(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Map every key whose tensor aliases an earlier key's tensor (same storage, offset, shape,
+    strides and dtype) to that earlier key. Tied weights are written once through the first."""
+    seen: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor) or is_dtensor(t) or t.numel() == 0:
+            continue
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if ident in seen:
+            out[key] = seen[ident]
+        else:
+            seen[ident] = key
+    return out

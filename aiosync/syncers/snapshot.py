@@ -1,0 +1,415 @@
+"""The sender's snapshot and the patch builder (W6, W13, B2, P2).
+
+One builder for every placement; only the compare step is device specific:
+
+* CPU source, CPU snapshot — the numba kernel of :mod:`aiosync.syncers.kernels`, run over
+  cache-sized chunks by a small thread pool (numba and torch release the GIL).
+* CUDA source (snapshot on CUDA, or on CPU in pinned memory: W13) — the same algorithm shape
+  in torch ops: compare 64-bit words, refine only the words that differ. With a CPU
+  snapshot, the next tensor's snapshot is prefetched to the GPU on a side copy stream, the
+  results are staged to pinned CPU buffers whose completion is a CUDA event, and the snapshot
+  write-back runs in a background thread that the next build waits for.
+
+Comparisons are on raw bits (B2): NaN equal to itself bit for bit counts as unchanged,
+0.0 → -0.0 counts as a change.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype whose elements hold the raw bits of ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in BITS_DTYPES:
+        raise ValueError(f"dtype {dtype} ({size} bytes per element) is not supported by patch mode")
+    return BITS_DTYPES[size]
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret ``t`` as integers of the same width (bool → uint8); shares storage."""
+    return t.view(bits_dtype(t.dtype))
+
+
+def _np_bits(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a CPU contiguous tensor's bits as an unsigned array."""
+    b = as_bits(t)
+    return b.numpy().view(_NP_UINT[b.element_size()])
+
+
+_FUSED: list[bool] = []
+
+
+def _fused_cast_ok() -> bool:
+    """Whether the fused fp32 → bf16 kernel matches torch's cast here (checked once)."""
+    if not _FUSED:
+        from .kernels import fused_cast_matches_torch
+
+        _FUSED.append(fused_cast_matches_torch())
+    return _FUSED[0]
+
+
+@dataclass
+class TensorDiff:
+    """Changed elements of one synced tensor, in ascending row-major position."""
+
+    slot: int
+    positions: torch.Tensor  # int64
+    new_bits: torch.Tensor  # bits dtype of the receiver's dtype
+    old_bits: torch.Tensor
+
+    @property
+    def nnz(self) -> int:
+        return int(self.positions.numel())
+
+
+@dataclass
+class FlatDiff:
+    """One tensor's changes already in the ``flat`` wire encoding."""
+
+    slot: int
+    nnz: int
+    gaps: np.ndarray  # uint8 LEB128 varints, first gap from -1
+    planes: np.ndarray  # uint8 (width, nnz) zig-zag code planes
+
+
+def _diff_torch(new: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch-ops compare of two contiguous 1-D bit tensors; updates ``snap``; any device.
+
+    Compares 64-bit words first (one pass of wide compares), then refines only the words
+    that differ, then handles the unaligned tail element-wise.
+    """
+    n = new.numel()
+    esize = new.element_size()
+    lanes = 8 // esize
+    n_words = n // lanes
+    parts = []
+    if lanes > 1 and n_words > 0 and snap.storage_offset() % lanes == 0 and new.storage_offset() % lanes == 0:
+        aligned = n_words * lanes
+        nw = new[:aligned].view(torch.int64)
+        sw = snap[:aligned].view(torch.int64)
+        widx = torch.nonzero(nw != sw).reshape(-1)
+        if widx.numel():
+            nsel = new[:aligned].view(n_words, lanes).index_select(0, widx)
+            ssel = snap[:aligned].view(n_words, lanes).index_select(0, widx)
+            wi, li = torch.nonzero(nsel != ssel, as_tuple=True)
+            parts.append((widx[wi] * lanes + li, nsel[wi, li], ssel[wi, li]))
+        start = aligned
+    else:
+        start = 0
+    if start < n:
+        idx = torch.nonzero(new[start:] != snap[start:]).reshape(-1)
+        if idx.numel():
+            parts.append((idx + start, new[start:][idx], snap[start:][idx]))
+    if not parts:
+        empty = new.new_empty(0)
+        return torch.empty(0, dtype=torch.int64, device=new.device), empty, empty
+    pos = torch.cat([p[0] for p in parts])
+    nv = torch.cat([p[1] for p in parts])
+    ov = torch.cat([p[2] for p in parts])
+    snap[pos] = nv
+    return pos, nv, ov
+
+
+class Snapshot:
+    """Sender-side copy of the synced tensors, in the receiver's dtypes, and the diff builder.
+
+    ``device`` is where the snapshot lives (``cpu`` or ``cuda``). ``kernel`` forces the
+    compare step: ``"auto"`` (numba on CPU, torch ops on CUDA) or ``"torch"`` (torch ops
+    everywhere; used by tests to exercise the GPU algorithm on CPU).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 20,
+                 workers: int | None = None, kernel: str = "auto") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("snapshot_device is cuda but CUDA is not available; use snapshot_device: cpu")
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
+        self.kernel = kernel
+        self.chunk_elems = int(chunk_elems)
+        self.workers = workers or max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
+        self._snaps: list[torch.Tensor] = []  # flat, contiguous, receiver dtype
+        self._shapes: list[torch.Size] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._writeback: list[Future] = []
+        self.staged_event = None  # CUDA event marking staged results (W13), else None
+
+    # ----------------------------------------------------------------- state
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._snaps)
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        """The snapshot of ``slot`` in its original shape (a view)."""
+        self.wait_writeback()
+        return self._snaps[slot].view(self._shapes[slot])
+
+    def load(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
+        """(Re)take the snapshot: each tensor cast to its receiver dtype, copied to ``device``."""
+        self.wait_writeback()
+        pin = self.device.type == "cpu" and torch.cuda.is_available() and any(t.is_cuda for t in tensors)
+        snaps = []
+        for t, dt in zip(tensors, dtypes):
+            s = torch.empty(t.numel(), dtype=dt, device=self.device, pin_memory=pin)
+            s.copy_(t.detach().reshape(-1))
+            snaps.append(s)
+        self._snaps = snaps
+        self._shapes = [t.shape for t in tensors]
+
+    # ------------------------------------------------------------------ diff
+    def diff(self, tensors: list[torch.Tensor], out_device: str | torch.device = "cpu",
+             slots: list[int] | None = None) -> list[TensorDiff]:
+        """Compare ``tensors`` with the snapshot, update it, return the changes.
+
+        ``tensors[i]`` belongs to slot ``slots[i]`` (default: one tensor per slot, in order).
+        Tensors without changes are left out. Results live on ``out_device``; when they are
+        staged from a GPU, :attr:`staged_event` is the CUDA event marking their completion.
+        """
+        if slots is None:
+            if len(tensors) != len(self._snaps):
+                raise ValueError(f"expected {len(self._snaps)} tensors, got {len(tensors)}")
+            slots = list(range(len(tensors)))
+        by_slot = dict(zip(slots, tensors))
+        for i, t in by_slot.items():
+            if t.numel() != self._snaps[i].numel():
+                raise ValueError(f"slot {i}: tensor has {t.numel()} elements, snapshot has {self._snaps[i].numel()}")
+        self.wait_writeback()
+        self.staged_event = None
+        out_device = torch.device(out_device)
+        results: list[TensorDiff] = []
+        cpu_slots = [i for i, t in by_slot.items() if not (t.is_cuda or self._snaps[i].is_cuda)]
+        gpu_slots = [i for i in by_slot if i not in set(cpu_slots)]
+        if cpu_slots:
+            if self.kernel == "torch":
+                for i in cpu_slots:
+                    pos, nv, ov = _diff_torch(as_bits(self._cast(by_slot[i], i)), as_bits(self._snaps[i]))
+                    results.append(TensorDiff(i, pos, nv, ov))
+            else:
+                results.extend(self._diff_cpu_numba(by_slot, cpu_slots))
+        if gpu_slots:
+            results.extend(self._diff_cuda(by_slot, gpu_slots, out_device))
+        results.sort(key=lambda d: d.slot)
+        return [d for d in results if d.nnz]
+
+    def _cast(self, src: torch.Tensor, slot: int, device: torch.device | None = None) -> torch.Tensor:
+        snap = self._snaps[slot]
+        flat = src.detach().reshape(-1)
+        if device is not None and flat.device != device:
+            flat = flat.to(device, non_blocking=True)
+        return flat if flat.dtype == snap.dtype else flat.to(snap.dtype)
+
+    # CPU: numba kernel over chunks on a thread pool ----------------------------
+    def _pool_get(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiosync-diff")
+        return self._pool
+
+    def _buffers(self, dtype: torch.dtype, np_dtype) -> tuple:
+        cache = getattr(self._local, "bufs", None)
+        if cache is None:
+            cache = self._local.bufs = {}
+        key = (dtype, np_dtype)
+        if key not in cache:
+            n = self.chunk_elems
+            cache[key] = (
+                torch.empty(n, dtype=dtype),
+                np.empty(n, np.int64),
+                np.empty(n, np_dtype),
+                np.empty(n, np_dtype),
+            )
+        return cache[key]
+
+    def _chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
+        from .kernels import diff_and_update, diff_cast_f32_bf16
+
+        snap = self._snaps[slot]
+        np_dtype = _NP_UINT[snap.element_size()]
+        cast_buf, out_pos, out_new, out_old = self._buffers(snap.dtype, np_dtype)
+        piece = src_flat[start:end]
+        if (piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous()
+                and _fused_cast_ok()):
+            k = diff_cast_f32_bf16(_np_bits(piece), _np_bits(snap)[start:end], out_pos, out_new, out_old, start)
+            return (out_pos[:k].copy(), out_new[:k].copy(), out_old[:k].copy()) if k else None
+        if piece.dtype == snap.dtype and piece.is_contiguous():
+            new = piece
+        else:
+            new = cast_buf[: end - start]
+            new.copy_(piece)
+        k = diff_and_update(_np_bits(new), _np_bits(snap)[start:end], out_pos, out_new, out_old, start)
+        if k == 0:
+            return None
+        return out_pos[:k].copy(), out_new[:k].copy(), out_old[:k].copy()
+
+    def _diff_cpu_numba(self, tensors: dict[int, torch.Tensor], slots: list[int]) -> list[TensorDiff]:
+        tasks = []
+        flats = {}
+        for i in slots:
+            flats[i] = tensors[i].detach().reshape(-1)
+            n = flats[i].numel()
+            for s in range(0, n, self.chunk_elems):
+                tasks.append((i, s, min(n, s + self.chunk_elems)))
+        if len(tasks) == 1 or self.workers == 1:
+            outs = [self._chunk(flats[i], i, s, e) for i, s, e in tasks]
+        else:
+            outs = list(self._pool_get().map(lambda t: self._chunk(flats[t[0]], *t), tasks))
+        per_slot: dict[int, list] = {}
+        for (i, _, _), out in zip(tasks, outs):
+            if out is not None:
+                per_slot.setdefault(i, []).append(out)
+        diffs = []
+        bdt = {i: as_bits(self._snaps[i]).dtype for i in per_slot}
+        for i, parts in per_slot.items():
+            pos = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            nv = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            ov = np.concatenate([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+            diffs.append(TensorDiff(i, torch.from_numpy(pos), torch.from_numpy(nv).view(bdt[i]),
+                                    torch.from_numpy(ov).view(bdt[i])))
+        return diffs
+
+    # CPU: diff and ``flat`` encoding fused in one pass ------------------------
+    def diff_flat(self, tensors: list[torch.Tensor], slots: list[int] | None = None) -> list["FlatDiff"]:
+        """Like :meth:`diff` for CPU tensors, but emit the ``flat`` wire encoding directly."""
+        slots = list(range(len(tensors))) if slots is None else slots
+        self.wait_writeback()
+        tasks = []
+        flats = {}
+        for i, t in zip(slots, tensors):
+            if t.is_cuda or self._snaps[i].is_cuda:
+                raise ValueError("diff_flat works on CPU tensors and snapshots; use diff() for CUDA")
+            flats[i] = t.detach().reshape(-1)
+            if flats[i].numel() != self._snaps[i].numel():
+                raise ValueError(f"slot {i}: tensor has {flats[i].numel()} elements, snapshot has {self._snaps[i].numel()}")
+            n = flats[i].numel()
+            for s in range(0, n, self.chunk_elems):
+                tasks.append((i, s, min(n, s + self.chunk_elems)))
+        run = (lambda t: self._flat_chunk(flats[t[0]], *t))
+        outs = list(self._pool_get().map(run, tasks)) if len(tasks) > 1 and self.workers > 1 else [run(t) for t in tasks]
+        per_slot: dict[int, list] = {}
+        for (i, s, _), out in zip(tasks, outs):
+            if out is not None:
+                per_slot.setdefault(i, []).append((s, out))
+        from .kernels import varint_bytes
+
+        diffs = []
+        for i in sorted(per_slot):
+            parts = per_slot[i]
+            prev = -1
+            gap_parts, plane_parts, nnz = [], [], 0
+            for s, (k, gaps, first_len, first_pos, last_pos, planes) in parts:
+                gap_parts.append(np.frombuffer(varint_bytes(s + first_pos - prev - 1), np.uint8))
+                gap_parts.append(gaps[first_len:])
+                plane_parts.append(planes)
+                prev = s + last_pos
+                nnz += k
+            diffs.append(FlatDiff(i, nnz, np.concatenate(gap_parts), np.concatenate(plane_parts, axis=1)))
+        return diffs
+
+    def _flat_chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
+        from .kernels import diff_encode_flat
+
+        snap = self._snaps[slot]
+        width = snap.element_size()
+        cache = getattr(self._local, "flat", None)
+        if cache is None:
+            cache = self._local.flat = {}
+        if width not in cache:
+            cache[width] = (np.empty(self.chunk_elems * 10, np.uint8), np.empty((width, self.chunk_elems), np.uint8),
+                            {})
+        gaps, planes, casts = cache[width]
+        piece = src_flat[start:end]
+        fused = piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous() and _fused_cast_ok()
+        if fused:
+            src = _np_bits(piece)
+        elif piece.dtype == snap.dtype and piece.is_contiguous():
+            src = _np_bits(piece)
+        else:
+            if snap.dtype not in casts:
+                casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
+            buf = casts[snap.dtype][: end - start]
+            buf.copy_(piece)
+            src = _np_bits(buf)
+        k, g, first_len, first_pos, last_pos = diff_encode_flat(src, _np_bits(snap)[start:end], fused, width,
+                                                                gaps, planes)
+        if k == 0:
+            return None
+        return k, gaps[:g].copy(), first_len, first_pos, last_pos, planes[:, :k].copy()
+
+    # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
+    def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:
+        dev = next((t.device for t in tensors.values() if t.is_cuda), None) or next(
+            s.device for s in self._snaps if s.is_cuda)
+        compute = torch.cuda.current_stream(dev)
+        copy_stream = torch.cuda.Stream(dev)
+        diffs: list[TensorDiff] = []
+        writebacks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+        def prefetch(slot: int):
+            snap = self._snaps[slot]
+            if snap.is_cuda:
+                return snap, None
+            with torch.cuda.stream(copy_stream):
+                g = snap.to(dev, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(copy_stream)
+            return g, ev
+
+        nxt = prefetch(slots[0])
+        for k, slot in enumerate(slots):
+            snap_gpu, ev = nxt
+            if k + 1 < len(slots):
+                nxt = prefetch(slots[k + 1])
+            if ev is not None:
+                compute.wait_event(ev)
+                snap_gpu.record_stream(compute)
+            new = self._cast(tensors[slot], slot, dev)
+            pos, nv, ov = _diff_torch(as_bits(new), as_bits(snap_gpu))
+            if pos.numel() == 0:
+                continue
+            if out_device.type == "cpu":
+                staged = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (pos, nv, ov)]
+                for dst, src in zip(staged, (pos, nv, ov)):
+                    dst.copy_(src, non_blocking=True)
+                pos_o, nv_o, ov_o = staged
+            else:
+                pos_o, nv_o, ov_o = pos, nv, ov
+            diffs.append(TensorDiff(slot, pos_o, nv_o, ov_o))
+            if not self._snaps[slot].is_cuda:
+                writebacks.append((slot, pos_o, nv_o))
+        event = torch.cuda.Event()
+        event.record(compute)
+        self.staged_event = event if out_device.type == "cpu" else None
+        if writebacks:
+            self._writeback.append(self._pool_get().submit(self._write_back, event, writebacks))
+        return diffs
+
+    def _write_back(self, event, writebacks) -> None:
+        event.synchronize()
+        for slot, pos, nv in writebacks:
+            as_bits(self._snaps[slot])[pos.to("cpu")] = nv.to("cpu")
+
+    def wait_writeback(self) -> None:
+        """Block until background snapshot write-backs of the previous build have finished."""
+        pending, self._writeback = self._writeback, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        self.wait_writeback()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
