@@ -71,9 +71,13 @@ class _SourceBase:
         self.trainer_stopped = True
         self._notify()
 
-    def restart(self) -> None:
-        self.trainer_stopped = False
-        self._notify()
+    def announce(self) -> None:
+        """Re-offer the newest publish as fresh: the trainer's weights did not change since, so
+        it answers explorers waiting for the trainer's current weights."""
+        if self.latest is not None:
+            self.seq += 1
+            self.latest = Published(self.latest.version, self.latest.state, self.seq)
+            self._notify()
 
     async def _wait_fresh(self, link: Any, fresh_after: int | None, deadline: float | None) -> bool:
         """Wait until a publish newer than ``fresh_after`` exists; False on deadline."""

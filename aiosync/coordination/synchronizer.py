@@ -119,6 +119,10 @@ class TrainerHandle:
         """Publish the trainer's current weights as ``version`` (default: the step count, or the
         last version + 1) and hand them to the explorers; returns this sync's metrics.
 
+        Without ``version``, when no train step happened since the last publish (``step`` not
+        above ``version``), nothing new is published: explorers waiting for the trainer are
+        answered with the current version.
+
         MEMORY / CHECKPOINT: the weights are copied to memory / written to disk and the trainer
         stays RUNNING; explorers pull them. NCCL: a handshake — the trainer is REQUIRE_SYNC
         while the explorers that asked (or, FIXED / TRAINER_DRIVEN, all of them) build their
@@ -132,6 +136,8 @@ class TrainerHandle:
         if self.state.status is RunningStatus.STOPPED:
             raise StateTransitionError("trainer: sync_weight after stop()")
         sync, cfg = self.sync, self.sync.config
+        if version is None and self.step <= self.version and self.syncs > 0:
+            return await self._serve_current()
         if version is None:
             version = self.step if self.step > self.version else self.version + 1
         if version <= self.version:
@@ -157,6 +163,19 @@ class TrainerHandle:
         dt = time.perf_counter() - t0
         self.sync_s.add(dt)
         return {"version": version, "blocking": blocking, "handed_to": [link.name for link, _ in handed], "sync_s": dt}
+
+    async def _serve_current(self) -> dict[str, Any]:
+        """No training since the last publish: answer waiting explorers with that version."""
+        sync, cfg = self.sync, self.sync.config
+        t0 = time.perf_counter()
+        handed: list[tuple[SenderLink, int]] = []
+        if cfg.method is SyncMethod.NCCL:
+            handed = await self._handshake(self.version, False, reopen=True)
+        else:
+            sync.source.announce()
+        dt = time.perf_counter() - t0
+        return {"version": self.version, "blocking": False, "handed_to": [link.name for link, _ in handed],
+                "sync_s": dt, "republished": True}
 
     async def _handshake(self, version: int, push: bool, *, reopen: bool = False,
                          only: "list[SenderLink] | None" = None) -> list[tuple[SenderLink, int]]:

@@ -117,8 +117,8 @@ def _zigzag(new, old, width):  # pragma: no cover - compiled
         return np.uint64(new) ^ np.uint64(old)
     bits = 8 * width
     mod = np.int64(1) << bits
-    d = (np.int64(new) - np.int64(old)) % mod
-    if d >= mod // 2:
+    d = (np.int64(new) - np.int64(old)) & (mod - 1)  # modulo 2**bits without a division
+    if d >= mod >> 1:
         d -= mod
     if d >= 0:
         return np.uint64(2 * d)
@@ -205,7 +205,7 @@ def apply_flat(target, pos, planes, plane_off, count, width):  # pragma: no cove
             mod = np.int64(1) << bits
             zi = np.int64(z)
             s = zi >> 1 if (zi & 1) == 0 else -((zi + 1) >> 1)
-            target[j] = (np.int64(old) + s) % mod
+            target[j] = (np.int64(old) + s) & (mod - 1)
     return count
 
 

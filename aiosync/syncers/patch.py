@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..aio import run_sync, wait_event
-from ..errors import ApplyError, HandshakeError, PatchChainError, PayloadError, VersionError
+from ..errors import ApplyError, ConfigError, HandshakeError, PatchChainError, PayloadError, VersionError
 from ..transports.base import RecvFn, SendFn, payload_nbytes
 from .base import WeightSyncer, recv_with_timeout
 from .bucket import (BUCKET_KEY, check_no_reserved_keys, check_version, iter_named_tensor_buckets,
@@ -74,12 +74,13 @@ class PatchWeightSyncer(WeightSyncer):
         )
         check_codec_available(compression)  # fail when built, not at the first sync (W12)
         if str(snapshot_device).startswith("cuda") and not torch.cuda.is_available():
-            raise HandshakeError("patch.snapshot_device is cuda but CUDA is not available; use snapshot_device: cpu")
+            raise ConfigError("patch.snapshot_device is cuda but CUDA is not available; use snapshot_device: cpu")
         self._transport_device = torch.device(transport_device or "cpu")
         self._builder_kernel = builder_kernel
         # sender state
         self._snapshot: Snapshot | None = None
         self._slot_keys: list[str] = []
+        self._names: list[str] = []  # synced keys in the sender's state-dict order (W17 collective order)
         self._layouts: list[TensorLayout] = []
         self._elem_sizes: dict[int, int] = {}
         self._is_sender = True
@@ -111,10 +112,19 @@ class PatchWeightSyncer(WeightSyncer):
         Ranks with ``is_sender=False`` (other FSDP ranks) only take part in the collectives
         that gather DTensors, in the same order as the sender, and send nothing.
         """
-        names = select_sync_names(state_dict, param_names_need_sync)
         init = self.config.init_sync
-        boot = match_prefixes(state_dict.keys(), init.prefixes) if init.enabled else []
+        try:
+            names = select_sync_names(state_dict, param_names_need_sync)
+            boot = match_prefixes(state_dict.keys(), init.prefixes) if init.enabled else []
+        except ValueError as exc:  # ConfigError / HandshakeError: tell the waiting receiver, don't let it time out
+            if is_sender and recv is not None:
+                try:
+                    await send(SenderHello(ok=False, error=str(exc)))
+                except Exception:  # the original error is the one to report
+                    pass
+            raise
         self._is_sender = is_sender
+        self._names = names
         if not is_sender:
             self._slot_keys = names
             self._bootstrap_keys = boot
@@ -199,7 +209,11 @@ class PatchWeightSyncer(WeightSyncer):
             await send(payload)
 
     def _take_snapshot(self, snapshot: Snapshot, state_dict, dtypes: list[torch.dtype]) -> None:
-        snapshot.load([materialize(state_dict[k]) for k in self._slot_keys], dtypes)
+        # Materialise every synced key in state-dict order, as ranks with is_sender=False do, so
+        # DTensor gathers (collectives) match even when the receiver orders keys differently or
+        # ties some of them (W17); only the slot keys are kept.
+        full = {k: materialize(state_dict[k]) for k in self._names}
+        snapshot.load([full[k] for k in self._slot_keys], dtypes)
 
     async def sync(self, state_dict: Mapping[str, torch.Tensor], send: SendFn, version: int) -> None:
         """Build the patch from the current ``state_dict`` and send it stamped ``version``."""
@@ -243,14 +257,19 @@ class PatchWeightSyncer(WeightSyncer):
                 return snap.diff_flat(tensors)
             return snap.diff(tensors, self._transport_device)
         # DTensors: gather a bounded group at a time so the sender never holds the full model twice.
+        # Gather in state-dict order, every synced key (as the other ranks do; see _take_snapshot).
         diffs, group, used = [], [], 0
         limit = self.config.init_sync.bucket_size
-        for slot, key in enumerate(self._slot_keys):
-            group.append((slot, materialize(state_dict[key])))
-            used += group[-1][1].numel() * group[-1][1].element_size()
-            if used >= limit or slot == len(self._slot_keys) - 1:
+        slot_of = {k: i for i, k in enumerate(self._slot_keys)}
+        for n, key in enumerate(self._names):
+            t = materialize(state_dict[key])
+            if key in slot_of:
+                group.append((slot_of[key], t))
+                used += t.numel() * t.element_size()
+            if group and (used >= limit or n == len(self._names) - 1):
                 diffs += snap.diff([t for _, t in group], self._transport_device, slots=[s for s, _ in group])
                 group, used = [], 0
+        diffs.sort(key=lambda d: d.slot)
         return diffs
 
     def _fused_flat(self, tensors: list[torch.Tensor]) -> bool:

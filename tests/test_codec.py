@@ -1,0 +1,600 @@
+"""The patch codec on edge cases (W10-W12, B1, B2), numba kernels against torch references,
+and malformed payloads (SPEC §7: a clear PayloadError, nothing changed)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiosync import CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch, inproc_pair
+from aiosync.errors import PatchChainError, PayloadError
+from aiosync.syncers import kernels
+from aiosync.syncers.patch_format import TensorLayout, encode_patch, unzigzag_apply, varint_decode, varint_encode, \
+    zigzag_delta
+from aiosync.syncers.snapshot import Snapshot
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# (encoding, delta_encoding) variants of the wire format
+FORMATS = [("coo", True), ("coo", False), ("flat", False)]
+FORMAT_IDS = ["coo-delta", "coo-abs", "flat"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(_BITS[t.element_size()])
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of 0-d to 4-d in every supported dtype, NaNs and a zero-size tensor included."""
+    g = torch.Generator().manual_seed(seed)
+    nan_t = torch.randn(4, 6, generator=g)
+    nan_t[0, 0] = float("nan")
+    nan_t[3, 5] = float("nan")
+    nan_t[1, 2] = -0.0
+    return {
+        "scalar_f32": torch.tensor(1.25),
+        "vec_bf16": torch.randn(300, generator=g).to(torch.bfloat16),  # > 255 columns: int32 cols
+        "mat_f16": torch.randn(5, 70, generator=g).to(torch.float16),
+        "t3_f32": torch.randn(3, 4, 5, generator=g),
+        "t4_i32": torch.randint(-(2**31), 2**31 - 1, (2, 3, 4, 5), dtype=torch.int32, generator=g),
+        "vec_i64": torch.randint(-(2**62), 2**62, (17,), dtype=torch.int64, generator=g),
+        "mat_u8": torch.randint(0, 256, (4, 9), dtype=torch.uint8, generator=g),
+        "t3_bool": torch.rand(2, 3, 3, generator=g) > 0.5,
+        "nan_f32": nan_t,
+        "empty": torch.zeros(0, 4),
+        "long_rows": torch.randn(300, 2, generator=g).to(torch.bfloat16),  # > 255 rows
+    }
+
+
+def change(t: torch.Tensor, flat_index: torch.Tensor, g: torch.Generator) -> None:
+    """Change the elements at ``flat_index`` of ``t`` in place (always a real bit change)."""
+    if flat_index.numel() == 0:
+        return
+    if t.dtype == torch.bool:
+        v = t.view(-1)
+        v[flat_index] = ~v[flat_index]
+        return
+    b = bits(t).view(-1) if t.is_contiguous() else None
+    assert b is not None
+    width = t.element_size()
+    if width == 8:
+        noise = torch.randint(1, 2**62, (flat_index.numel(),), dtype=torch.int64, generator=g)
+    else:
+        noise = torch.randint(1, 2 ** (8 * width - 1), (flat_index.numel(),), dtype=torch.int64,
+                              generator=g).to(b.dtype)
+    b[flat_index] = b[flat_index] ^ noise
+
+
+def mutate(state: dict[str, torch.Tensor], case: str, seed: int = 1) -> int:
+    """Apply one of the edge cases to ``state``; return the number of changed elements."""
+    g = torch.Generator().manual_seed(seed)
+    total = 0
+    if case == "empty":
+        return 0
+    if case == "single":
+        change(state["t3_f32"], torch.tensor([27]), g)
+        return 1
+    for k, t in state.items():
+        n = t.numel()
+        if n == 0:
+            continue
+        if case == "all":
+            idx = torch.arange(n)
+        elif case == "first_last":
+            idx = torch.tensor(sorted({0, n - 1}))
+        elif case == "nan":
+            if k != "nan_f32":
+                continue
+            v = t.view(-1)
+            v[0] = 3.0  # NaN -> number
+            v[1] = float("nan")  # number -> NaN
+            bits(t).view(-1)[23] = int(bits(torch.tensor(float("nan")))) | 5  # NaN -> another NaN
+            v[8] = 0.0  # -0.0 -> 0.0
+            v[9] = -0.0  # x -> -0.0
+            return 5
+        else:
+            raise AssertionError(case)
+        change(t, idx, g)
+        total += idx.numel()
+    return total
+
+
+async def connect(src, dst, encoding, delta, compression, **kw):
+    s = PatchWeightSyncer(encoding=encoding, delta_encoding=delta, compression=compression, **kw)
+    r = PatchWeightSyncer(encoding=encoding, delta_encoding=delta, compression=compression)
+    a, b = inproc_pair(timeout=10)
+    await asyncio.gather(s.init_sender(src, None, a.send, a.recv), r.init_receiver(dst, b.recv, b.send))
+    return s, r, a, b
+
+
+def assert_same_bits(x: dict, y: dict) -> None:
+    assert list(x) == list(y) or set(x) == set(y)
+    for k in x:
+        assert x[k].dtype == y[k].dtype, k
+        assert torch.equal(bits(x[k]), bits(y[k])), k
+
+
+# ------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("case", ["empty", "single", "all", "first_last", "nan"])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("encoding,delta", FORMATS, ids=FORMAT_IDS)
+async def test_codec_edge_cases(encoding, delta, compression, case):
+    src = make_state()
+    dst = {k: v.clone() for k, v in src.items()}
+    s, r, a, b = await connect(src, dst, encoding, delta, compression)
+    expected = mutate(src, case)
+    sent = []
+
+    async def send(p):
+        sent.append(p)
+        await a.send(p)
+
+    await s.sync(src, send, 1)
+    patch = sent[0]
+    if case == "empty":
+        assert type(patch) is EmptyWeightPatch and patch.version == 1
+    else:
+        assert type(patch) is (WeightPatch if compression == "none" else CompressedWeightPatch)
+        assert patch.nnz == expected
+    assert s.last_stats["changed"] == expected
+    assert await r.apply(dst, b.recv) == 1
+    assert r.last_stats["changed"] == expected
+    assert_same_bits(src, dst)
+    # and a second version on top (chained), changing everything back and more
+    more = mutate(src, "first_last", seed=2)
+    await s.sync(src, send, 2)
+    assert sent[-1].nnz == more
+    assert await r.apply(dst, b.recv) == 2
+    assert_same_bits(src, dst)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (9,), (1, 1), (3, 7), (2, 3, 4), (2, 1, 3, 4), (1, 2, 1, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+@pytest.mark.parametrize("encoding,delta", FORMATS, ids=FORMAT_IDS)
+async def test_codec_shapes_and_dtypes(encoding, delta, dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape) * 31 + len(shape) * 7 + len(str(dtype)))
+    if dtype == torch.bool:
+        t = torch.rand(shape, generator=g) > 0.5
+    elif dtype.is_floating_point:
+        t = torch.randn(shape, generator=g).to(dtype)
+    else:
+        t = torch.randint(0, 100, shape, generator=g).to(dtype)
+    src = {"x": t}
+    dst = {"x": t.clone()}
+    s, r, a, b = await connect(src, dst, encoding, delta, "zstd" if t.numel() % 2 else "none")
+    n = t.numel()
+    idx = torch.tensor(sorted({0, n - 1, n // 2}))
+    change(src["x"], idx, g)
+    await s.sync(src, a.send, 1)
+    assert await r.apply(dst, b.recv) == 1
+    assert s.last_stats["changed"] == idx.numel()
+    assert torch.equal(bits(dst["x"]), bits(src["x"]))
+    assert dst["x"].shape == torch.Size(shape) and dst["x"].dtype == dtype
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+async def test_coo_indices_are_downscaled(compression):
+    src = {"small": torch.zeros(4, 200), "wide": torch.zeros(2, 70000)}
+    dst = {k: v.clone() for k, v in src.items()}
+    s, r, a, b = await connect(src, dst, "coo", False, "none")
+    src["small"][3, 199] = 1.0
+    await s.sync(src, a.send, 1)
+    p = await b.recv()
+    assert p.rows.dtype == torch.uint8 and p.cols.dtype == torch.uint8
+    assert p.rows.tolist() == [3] and p.cols.tolist() == [199]
+    assert p.values.dtype == torch.uint8 and p.values.numel() == 4
+    await r.apply_payload(dst, p)
+    src["wide"][1, 69999] = 2.0
+    await s.sync(src, a.send, 2)
+    p = await b.recv()
+    assert p.cols.dtype == torch.int32 and p.cols.tolist() == [69999] and p.rows.tolist() == [1]
+    assert p.ordinals.tolist() == [1]
+    await r.apply_payload(dst, p)
+    assert_same_bits(src, dst)
+
+
+async def test_coo_delta_encoding_on_the_wire():
+    src = {"m": torch.zeros(6, 10)}
+    dst = {"m": torch.zeros(6, 10)}
+    s, r, a, b = await connect(src, dst, "coo", True, "none")
+    for rr, cc in [(0, 3), (0, 7), (2, 1), (2, 9), (5, 0)]:
+        src["m"][rr, cc] = 1.0
+    await s.sync(src, a.send, 1)
+    p = await b.recv()
+    assert p.delta_encoded
+    assert p.rows.tolist() == [0, 0, 2, 0, 3]
+    assert p.cols.tolist() == [3, 4, 1, 8, 0]
+    assert p.values.view(torch.float32).tolist() == [1.0] * 5
+    assert await r.apply_payload(dst, p) == 1
+    assert torch.equal(dst["m"], src["m"])
+
+
+# ------------------------------------------------------------- numba vs torch references
+def test_varint_encode_matches_numba_and_reference():
+    values = [0, 1, 127, 128, 255, 16383, 16384, 2**21 - 1, 2**21, 2**35 + 3, 2**56, 2**63 - 1]
+    enc = varint_encode(torch.tensor(values, dtype=torch.int64))
+    want = b"".join(kernels.varint_bytes(v) for v in values)
+    assert enc.dtype == torch.uint8
+    assert bytes(enc.tolist()) == want
+    assert varint_decode(enc).tolist() == values
+    # the numba gap coder over positions gives the same stream as torch over the gaps
+    pos = np.array([0, 1, 5, 133, 134, 20000, 2**40], np.int64)
+    buf = np.empty(pos.size * 10, np.uint8)
+    planes = np.zeros((2, pos.size), np.uint8)
+    zeros = np.zeros(pos.size, np.uint16)
+    nb, first = kernels.encode_flat(pos, zeros, zeros, pos.size, 2, -1, buf, planes, 0)
+    gaps = torch.from_numpy(pos) - torch.cat([torch.tensor([-1]), torch.from_numpy(pos[:-1])]) - 1
+    assert buf[:nb].tolist() == varint_encode(gaps).tolist()
+    assert first == 1
+    assert varint_encode(torch.empty(0, dtype=torch.int64)).numel() == 0
+
+
+def test_varint_decode_rejects_truncated_and_overlong():
+    with pytest.raises(PayloadError):
+        varint_decode(torch.tensor([0x80], dtype=torch.uint8))
+    with pytest.raises(PayloadError):
+        varint_decode(torch.tensor([5, 0xFF, 0xFF], dtype=torch.uint8))
+    with pytest.raises(PayloadError):
+        varint_decode(torch.tensor([0xFF] * 10 + [1], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("src_dtype,snap_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                  (torch.int64, torch.int64), (torch.bool, torch.bool),
+                                                  (torch.uint8, torch.uint8), (torch.int32, torch.int32)])
+def test_snapshot_torch_kernel_matches_numba(src_dtype, snap_dtype):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(1000,), (7, 129), (3, 5, 11), (), (64,), (65,)]
+
+    def make():
+        out = []
+        for shape in shapes:
+            if src_dtype == torch.bool:
+                out.append(torch.rand(shape, generator=g) > 0.5)
+            elif src_dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=g).to(src_dtype))
+            else:
+                out.append(torch.randint(0, 120, shape, generator=g).to(src_dtype))
+        return out
+
+    base = make()
+    # small chunks: exercises the chunking of the numba path (and chunk borders)
+    a, b = Snapshot(kernel="auto", chunk_elems=128, workers=2), Snapshot(kernel="torch")
+    dtypes = [snap_dtype] * len(shapes)
+    a.load(base, dtypes)
+    b.load(base, dtypes)
+    for step in range(3):
+        cur = [t.clone() for t in base]
+        for t in cur:
+            n = t.numel()
+            k = max(1, n // (3 + step * 20))
+            change(t, torch.randperm(n, generator=g)[:k], g)
+        if src_dtype.is_floating_point:
+            cur[0].view(-1)[5] = float("nan")
+            cur[0].view(-1)[6] = -0.0
+        da, db = a.diff(cur), b.diff(cur)
+        assert [d.slot for d in da] == [d.slot for d in db] and len(da) == len(shapes)
+        for x, y in zip(da, db):
+            assert torch.equal(x.positions, y.positions)
+            assert x.new_bits.dtype == y.new_bits.dtype
+            assert torch.equal(x.new_bits, y.new_bits) and torch.equal(x.old_bits, y.old_bits)
+        for i in range(len(shapes)):
+            assert torch.equal(bits(a.tensor(i)), bits(b.tensor(i)))
+            assert torch.equal(bits(a.tensor(i)), bits(cur[i].to(snap_dtype)))
+        base = cur
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("snap_dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_fused_flat_builder_matches_torch_reference(snap_dtype):
+    """diff_flat (numba, chunk-stitched gap stream) == torch diff + varint_encode + zigzag_delta."""
+    g = torch.Generator().manual_seed(4)
+    src_dtype = torch.float32 if snap_dtype.is_floating_point else snap_dtype
+    if src_dtype.is_floating_point:
+        base = [torch.randn(2000, generator=g), torch.randn(3, 50, generator=g)]
+    else:
+        base = [torch.randint(0, 200, (2000,), generator=g).to(src_dtype),
+                torch.randint(0, 200, (3, 50), generator=g).to(src_dtype)]
+    fused = Snapshot(chunk_elems=192, workers=2)
+    ref = Snapshot(kernel="torch")
+    fused.load(base, [snap_dtype] * 2)
+    ref.load(base, [snap_dtype] * 2)
+    cur = [t.clone() for t in base]
+    # changes at chunk borders, long gaps across chunks (> 127: multi-byte varints), first/last
+    idx0 = torch.tensor([0, 191, 192, 193, 383, 384, 1500, 1999])
+    change(cur[0], idx0, g)
+    change(cur[1], torch.tensor([0, 149]), g)
+    flat = fused.diff_flat(cur)
+    tdiff = ref.diff(cur)
+    assert [d.slot for d in flat] == [d.slot for d in tdiff]
+    for f, t in zip(flat, tdiff):
+        assert f.nnz == t.nnz
+        prev = torch.cat([torch.tensor([-1]), t.positions[:-1]])
+        assert f.gaps.tolist() == varint_encode(t.positions - prev - 1).tolist()
+        z = zigzag_delta(t.new_bits, t.old_bits)
+        w = t.new_bits.element_size()
+        assert f.planes.shape == (w, t.nnz)
+        assert np.array_equal(f.planes, z.contiguous().view(torch.uint8).view(-1, w).t().numpy())
+    for i in range(2):
+        assert torch.equal(bits(fused.tensor(i)), bits(ref.tensor(i)))
+    fused.close()
+    ref.close()
+
+
+def test_encode_patch_flat_numba_matches_torch_on_meta_positions():
+    """The CPU (numba) flat encoder and the torch varint/zigzag path give the same bytes."""
+    from aiosync.syncers.snapshot import TensorDiff
+
+    g = torch.Generator().manual_seed(5)
+    pos = torch.tensor([0, 3, 200, 201, 5000], dtype=torch.int64)
+    new = torch.randint(-(2**15), 2**15, (5,), dtype=torch.int64, generator=g).to(torch.int16)
+    old = torch.randint(-(2**15), 2**15, (5,), dtype=torch.int64, generator=g).to(torch.int16)
+    lay = [TensorLayout(0, 1, 6000, 2)]
+    p = encode_patch([TensorDiff(0, pos, new, old)], lay, version=1, base_version=None, encoding="flat",
+                     delta_encoding=False)
+    prev = torch.cat([torch.tensor([-1]), pos[:-1]])
+    assert p.cols.tolist() == varint_encode(pos - prev - 1).tolist()
+    z = zigzag_delta(new, old)
+    assert p.values.tolist() == z.view(torch.uint8).view(-1, 2).t().reshape(-1).tolist()
+    assert p.gap_bytes.tolist() == [p.cols.numel()]
+
+
+_EDGE16 = [0, 1, 2, -1, -2, 0x7FFF, 0x7FFE, -0x8000, -0x7FFF, 0x3FFF, 0x4000, -0x4000, 0x00FF, 0x0100, 0x7F80,
+           -0x0080]
+
+
+def test_zigzag_round_trip_int16_all_old_values_edge_new_values():
+    old = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    for nv in _EDGE16:
+        new = torch.full_like(old, nv)
+        z = zigzag_delta(new, old)
+        assert z.dtype == torch.int16
+        assert torch.equal(unzigzag_apply(old, z), new)
+    # all pairs of edge values, and the "small change, small code" property with wrap-around
+    a = torch.tensor([x for x, _ in itertools.product(_EDGE16, _EDGE16)], dtype=torch.int16)
+    b = torch.tensor([y for _, y in itertools.product(_EDGE16, _EDGE16)], dtype=torch.int16)
+    assert torch.equal(unzigzag_apply(b, zigzag_delta(a, b)), a)
+    old = torch.tensor([0, 0x7FFF, -0x8000, 5], dtype=torch.int16)
+    up = torch.tensor([1, -0x8000, -0x7FFF, 6], dtype=torch.int16)  # +1 (wrapping at 0x7FFF)
+    down = torch.tensor([-1, 0x7FFE, 0x7FFF, 4], dtype=torch.int16)  # -1 (wrapping at 0x8000)
+    assert zigzag_delta(up, old).tolist() == [2, 2, 2, 2]
+    assert zigzag_delta(down, old).tolist() == [1, 1, 1, 1]
+    assert zigzag_delta(old, old).tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+def test_zigzag_round_trip_other_widths_and_numba_agrees(dtype):
+    if dtype == torch.uint8:
+        vals = torch.arange(256, dtype=torch.int64)
+        a, b = torch.meshgrid(vals, vals, indexing="ij")
+        a, b = a.reshape(-1).to(dtype), b.reshape(-1).to(dtype)
+    else:
+        info = torch.iinfo(dtype)
+        edge = [0, 1, -1, 2, info.max, info.max - 1, info.min, info.min + 1, 12345, -12345]
+        a = torch.tensor([x for x, _ in itertools.product(edge, edge)], dtype=dtype)
+        b = torch.tensor([y for _, y in itertools.product(edge, edge)], dtype=dtype)
+    z = zigzag_delta(a, b)
+    assert z.dtype == dtype
+    assert torch.equal(unzigzag_apply(b, z), a)
+    w = a.element_size()
+    u = {1: np.uint8, 4: np.uint32, 8: np.uint64}[w]
+    an, bn = a.numpy().view(u), b.numpy().view(u)
+    zn = z.numpy().view(u)
+    for i in range(0, a.numel(), max(1, a.numel() // 200)):
+        assert int(kernels._zigzag(an[i], bn[i], w)) == int(zn[i]), i
+
+
+# ------------------------------------------------------------------ malformed payloads
+async def _prepared(encoding, delta, compression):
+    src = make_state()
+    dst = {k: v.clone() for k, v in src.items()}
+    s, r, a, b = await connect(src, dst, encoding, delta, compression)
+    await s.sync(src, a.send, 1)  # empty: moves the receiver to a known version
+    assert await r.apply(dst, b.recv) == 1
+    mutate(src, "first_last", seed=7)
+    await s.sync(src, a.send, 2)
+    patch = await b.recv()
+    return src, dst, r, patch
+
+
+def _corruptions(patch):
+    """(name, corrupted payload) pairs; each must be refused with PayloadError."""
+    out = []
+    rep = dataclasses.replace
+    two = patch.ordinals.numel() >= 2
+    out.append(("ordinal out of range", rep(patch, ordinals=torch.full_like(patch.ordinals, 200))))
+    if two:
+        o = patch.ordinals.clone()
+        o[1] = o[0]
+        out.append(("duplicated ordinal", rep(patch, ordinals=o)))
+        o = patch.ordinals.clone()
+        o[0], o[1] = patch.ordinals[1], patch.ordinals[0]
+        out.append(("reordered ordinals", rep(patch, ordinals=o)))
+    n = patch.nnz_per_tensor.to(torch.int64).clone()
+    n[0] += 1
+    out.append(("nnz too large", rep(patch, nnz_per_tensor=n)))
+    n = patch.nnz_per_tensor.to(torch.int64).clone()
+    n[-1] -= 1
+    out.append(("nnz too small", rep(patch, nnz_per_tensor=n)))
+    out.append(("nnz count mismatch", rep(patch, nnz_per_tensor=patch.nnz_per_tensor[:-1])))
+    if isinstance(patch, WeightPatch):
+        out.append(("truncated values", rep(patch, values=patch.values[:-1])))
+        out.append(("values too long", rep(patch, values=torch.cat([patch.values, patch.values[:3]]))))
+        out.append(("values wrong dtype", rep(patch, values=patch.values.to(torch.int16))))
+        out.append(("truncated cols", rep(patch, cols=patch.cols[:-1])))
+        if patch.encoding == "coo":
+            out.append(("truncated rows", rep(patch, rows=patch.rows[:-1])))
+            out.append(("no rows", rep(patch, rows=None)))
+            rows = patch.rows.to(torch.int64).clone()
+            rows[-1] += 10_000
+            out.append(("row out of range", rep(patch, rows=rows)))
+            cols = patch.cols.to(torch.int64).clone()
+            cols[-1] += 100_000
+            out.append(("col out of range", rep(patch, cols=cols)))
+            if not patch.delta_encoded:
+                cols = patch.cols.to(torch.int64).clone()
+                rows = patch.rows.to(torch.int64).clone()
+                assert patch.nnz_per_tensor[0] == 1 and patch.nnz_per_tensor[1] == 2  # the scalar, then 2
+                rows[2], cols[2] = rows[1], cols[1]  # a repeated position inside one tensor
+                out.append(("repeated position", rep(patch, rows=rows, cols=cols)))
+            out.append(("float indices", rep(patch, cols=patch.cols.to(torch.float32))))
+        else:
+            gb = patch.gap_bytes.to(torch.int64).clone()
+            gb[0] += 1
+            out.append(("gap_bytes do not add up", rep(patch, gap_bytes=gb)))
+            out.append(("no gap_bytes", rep(patch, gap_bytes=None)))
+            cols = patch.cols.clone()
+            cols[-1] = 0x80  # last varint continues: truncated stream
+            out.append(("truncated varint", rep(patch, cols=cols)))
+            cols = patch.cols.clone()
+            cols[0] = 0x7F  # first gap far too large
+            out.append(("gap beyond tensor", rep(patch, cols=cols)))
+        out.append(("unknown encoding", rep(patch, encoding="csr")))
+    else:
+        blobs = dict(patch.blobs)
+        name = "values" if "values" in blobs else next(k for k in blobs if k.startswith("values"))
+        blobs[name] = blobs[name][:-3]
+        out.append(("truncated zstd blob", rep(patch, blobs=blobs)))
+        blobs = dict(patch.blobs)
+        bad = blobs["cols"].clone()
+        bad[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # destroy the zstd frame magic
+        blobs["cols"] = bad
+        out.append(("corrupted zstd blob", rep(patch, blobs=blobs)))
+        sizes = dict(patch.sizes)
+        sizes["cols"] += 1
+        out.append(("wrong stream size", rep(patch, sizes=sizes)))
+        blobs = dict(patch.blobs)
+        del blobs["cols"]
+        out.append(("missing stream", rep(patch, blobs=blobs)))
+        out.append(("unknown codec", rep(patch, codec="brotli")))
+        dtypes = dict(patch.dtypes)
+        dtypes["cols"] = "float32"
+        out.append(("bad stream dtype", rep(patch, dtypes=dtypes)))
+    return out
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("encoding,delta", FORMATS, ids=FORMAT_IDS)
+async def test_malformed_payloads_raise_and_change_nothing(encoding, delta, compression):
+    src, dst, r, patch = await _prepared(encoding, delta, compression)
+    before = {k: v.clone() for k, v in dst.items()}
+    cases = _corruptions(patch)
+    assert len(cases) >= 6
+    for name, bad in cases:
+        with pytest.raises(PayloadError) as info:
+            await r.apply_payload(dst, bad)
+            pytest.fail(f"{name}: accepted")
+        assert not isinstance(info.value, PatchChainError), name
+        assert r.version == 1, name
+        assert_same_bits(before, dst)
+    for junk in (None, b"\x00\x01", {"w": torch.zeros(1)}, torch.zeros(3)):
+        with pytest.raises(PayloadError):
+            await r.apply_payload(dst, junk)
+    assert_same_bits(before, dst)
+    # the genuine patch still applies afterwards, bit-exact
+    assert await r.apply_payload(dst, patch) == 2
+    assert_same_bits(src, dst)
+
+
+# ------------------------------------------------------------------- property test
+_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+@st.composite
+def _case(draw):
+    n_tensors = draw(st.integers(1, 3))
+    specs = []
+    for _ in range(n_tensors):
+        shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=4)))
+        dtype = draw(st.sampled_from(_DTYPES))
+        numel = int(np.prod(shape)) if shape else 1
+        changed = draw(st.sets(st.integers(0, numel - 1), max_size=numel))
+        specs.append((shape, dtype, sorted(changed)))
+    fmt = draw(st.sampled_from(FORMATS))
+    compression = draw(st.sampled_from(["none", "zstd"]))
+    seed = draw(st.integers(0, 2**16))
+    return specs, fmt, compression, seed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_case())
+def test_property_random_changes_round_trip_bit_exact(case):
+    specs, (encoding, delta), compression, seed = case
+    g = torch.Generator().manual_seed(seed)
+    src = {}
+    for i, (shape, dtype, _) in enumerate(specs):
+        if dtype == torch.bool:
+            src[f"t{i}"] = torch.rand(shape, generator=g) > 0.5
+        elif dtype.is_floating_point:
+            src[f"t{i}"] = torch.randn(shape, generator=g).to(dtype)
+        else:
+            src[f"t{i}"] = torch.randint(0, 256, shape, generator=g).to(dtype)
+    dst = {k: v.clone() for k, v in src.items()}
+
+    async def run():
+        s, r, a, b = await connect(src, dst, encoding, delta, compression)
+        for i, (_, _, changed) in enumerate(specs):
+            change(src[f"t{i}"], torch.tensor(changed, dtype=torch.int64), g)
+        await s.sync(src, a.send, 1)
+        assert await r.apply(dst, b.recv) == 1
+        assert s.last_stats["changed"] == sum(len(c) for _, _, c in specs)
+
+    asyncio.run(run())
+    assert_same_bits(src, dst)
+
+
+@pytest.mark.parametrize("width_dtype", [torch.int16, torch.int32, torch.int64, torch.uint8])
+def test_flat_torch_encoder_matches_numba_encoder(monkeypatch, width_dtype):
+    """The torch flat encoder (the one CUDA diffs take) emits the same bytes as the numba one."""
+    from aiosync.syncers import patch_format
+    from aiosync.syncers.snapshot import TensorDiff
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.empty((), dtype=width_dtype).element_size()
+    layouts = [TensorLayout(0, 3, 100, w), TensorLayout(2, 1, 20000, w), TensorLayout(5, 1, 1, w)]
+    diffs = []
+    for slot, lay in enumerate(layouts):
+        n = min(lay.numel, 40)
+        pos = torch.randperm(lay.numel, generator=g)[:n].sort().values
+        lo, hi = (0, 256) if width_dtype == torch.uint8 else (-(2**15), 2**15)
+        new = torch.randint(lo, hi, (n,), generator=g).to(width_dtype)
+        old = torch.randint(lo, hi, (n,), generator=g).to(width_dtype)
+        diffs.append(TensorDiff(slot, pos, new, old))
+    kw = dict(version=3, base_version=2, encoding="flat", delta_encoding=False)
+    p_numba = encode_patch(diffs, layouts, **kw)
+    monkeypatch.setattr(patch_format, "_on_cpu", lambda diffs: False)
+    p_torch = encode_patch(diffs, layouts, **kw)
+    for name in ("ordinals", "nnz_per_tensor", "cols", "values", "gap_bytes"):
+        x, y = getattr(p_numba, name), getattr(p_torch, name)
+        assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
+    # and decoding it yields the positions and new bits back
+    decoded = patch_format.decode_patch(p_torch, {lay.ordinal: lay for lay in layouts})
+    for d, src in zip(decoded, diffs):
+        assert torch.equal(d.positions, src.positions)
+        assert torch.equal(d.new_bits(src.old_bits), src.new_bits)
+
+
+@pytest.mark.parametrize("encoding,delta", FORMATS, ids=FORMAT_IDS)
+async def test_non_contiguous_receiver_tensor(encoding, delta):
+    """A transposed 2-D receiver tensor is written through its strided view (torch apply path)."""
+    src = {"m": torch.randn(5, 7).to(torch.bfloat16), "v": torch.randn(9)}
+    dst = {"m": src["m"].t().contiguous().t(), "v": src["v"].clone()}
+    assert not dst["m"].is_contiguous() and torch.equal(dst["m"], src["m"])
+    s, r, a, b = await connect(src, dst, encoding, delta, "zstd")
+    g = torch.Generator().manual_seed(1)
+    change(src["m"], torch.tensor([0, 6, 7, 20, 34]), g)
+    change(src["v"], torch.tensor([8]), g)
+    await s.sync(src, a.send, 1)
+    assert await r.apply(dst, b.recv) == 1
+    assert not dst["m"].is_contiguous()
+    assert torch.equal(bits(dst["m"]), bits(src["m"])) and torch.equal(bits(dst["v"]), bits(src["v"]))

@@ -1,0 +1,234 @@
+"""GPU paths (W13, W12 nvCOMP): CUDA state dicts, CPU and CUDA snapshots, CUDA transport.
+
+Every test here needs a CUDA device and is skipped cleanly without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from aiosync import (BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, WeightPatch,
+                     collect_param_names_need_sync, inproc_pair)
+from aiosync.syncers.snapshot import Snapshot
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(_BITS[t.element_size()])
+
+
+def assert_bit_exact(src_sd, dst_sd, keys):
+    assert keys
+    for k in keys:
+        s, d = src_sd[k].detach(), dst_sd[k].detach()
+        want = s.to(device=d.device, dtype=d.dtype)
+        assert torch.equal(bits(want).cpu(), bits(d).cpu()), f"{k} differs"
+
+
+def need_nvcomp():
+    pytest.importorskip("nvidia.nvcomp", reason="nvidia-nvcomp-cu12 is not installed")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(64, 32)
+            self.conv = nn.Conv1d(4, 8, 3)
+            self.l1 = nn.Linear(32, 300)  # > 255 columns downstream, > 64 elements per row
+            self.l2 = nn.Linear(300, 32)
+            self.head = nn.Linear(32, 64, bias=False)
+            self.extra = nn.Parameter(torch.randn(70))  # trainable but unused: no grad, AdamW skips it
+        self.register_buffer("step", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("mask", torch.zeros(9, dtype=torch.bool))
+
+    def forward(self, idx, x):
+        h = self.emb(idx) + self.conv(x).mean(dim=(1, 2))[:, None]
+        return self.head(self.l2(torch.relu(self.l1(h))))
+
+
+def train_step(model: Net, opt, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 64, (16,), generator=g).to(model.emb.weight.device)
+    x = torch.randn(16, 4, 12, generator=g).to(model.emb.weight.device)
+    loss = model(idx, x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        model.step += 2**33
+        model.mask[step % 9] ^= True
+        if step == 2:  # B2 on the GPU path: NaN and -0.0 arrive bit-exact
+            model.extra[0] = float("nan")
+            model.extra[1] = -0.0
+            model.extra[69] = float("-inf")
+
+
+async def run_patch_round_trip(sender_kw, receiver_kw, src_device, dst_device, dst_dtype=torch.bfloat16,
+                               versions=(1, 2, 3)):
+    src = Net().to(src_device)
+    dst = copy.deepcopy(src).to(device=dst_device, dtype=dst_dtype)
+    names = collect_param_names_need_sync(src)
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    s = PatchWeightSyncer(**sender_kw)
+    r = PatchWeightSyncer(**receiver_kw)
+    a, b = inproc_pair(timeout=60)
+    sent = []
+
+    async def send(p):
+        sent.append(p)
+        await a.send(p)
+
+    await asyncio.gather(s.init_sender(src.state_dict(), names, send, a.recv),
+                         r.init_receiver(dst.state_dict(), b.recv, b.send))
+    for version in versions:
+        train_step(src, opt, version)
+        await s.sync(src.state_dict(), send, version)
+        assert await r.apply(dst, b.recv) == version
+        assert s.last_stats["changed"] > 0
+        assert_bit_exact(src.state_dict(), dst.state_dict(), names)
+    return s, r, sent
+
+
+@pytest.mark.parametrize("dst_device", ["cpu", DEV])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("encoding", ["coo", "flat"])
+@pytest.mark.parametrize("snapshot_device", ["cpu", DEV])
+async def test_cuda_state_dict_patch(snapshot_device, encoding, compression, dst_device):
+    kw = dict(snapshot_device=snapshot_device, encoding=encoding, compression=compression)
+    s, _, sent = await run_patch_round_trip(kw, dict(encoding=encoding, compression=compression), DEV, dst_device)
+    assert s.snapshot.device.type == torch.device(snapshot_device).type
+    if snapshot_device == "cpu":
+        # W13: the CPU snapshot of a CUDA model is pinned, so copies to and from it are asynchronous
+        assert s.snapshot.tensor(0).is_pinned()
+    want = WeightPatch if compression == "none" else CompressedWeightPatch
+    assert all(type(p) is want for p in sent if isinstance(p, (WeightPatch, CompressedWeightPatch)))
+
+
+@pytest.mark.parametrize("encoding", ["coo", "flat"])
+@pytest.mark.parametrize("snapshot_device", ["cpu", DEV])
+async def test_cuda_transport_device_without_compression(snapshot_device, encoding):
+    kw = dict(snapshot_device=snapshot_device, transport_device=DEV, encoding=encoding)
+    _, _, sent = await run_patch_round_trip(kw, dict(encoding=encoding), DEV, DEV)
+    patches = [p for p in sent if isinstance(p, WeightPatch)]
+    assert patches and all(p.values.is_cuda for p in patches)
+
+
+@pytest.mark.parametrize("compression", ["nvcomp_lz4", "nvcomp_zstd"])
+@pytest.mark.parametrize("encoding", ["coo", "flat"])
+@pytest.mark.parametrize("snapshot_device", ["cpu", DEV])
+async def test_nvcomp_round_trip(snapshot_device, encoding, compression):
+    need_nvcomp()
+    kw = dict(snapshot_device=snapshot_device, transport_device=DEV, encoding=encoding, compression=compression)
+    rkw = dict(transport_device=DEV, encoding=encoding, compression=compression)
+    _, _, sent = await run_patch_round_trip(kw, rkw, DEV, DEV)
+    patches = [p for p in sent if isinstance(p, CompressedWeightPatch)]
+    assert patches and all(p.codec == compression for p in patches)
+
+
+@pytest.mark.parametrize("compression", ["nvcomp_lz4", "nvcomp_zstd"])
+async def test_nvcomp_from_cpu_state_dict_to_cpu_receiver(compression):
+    need_nvcomp()
+    kw = dict(transport_device=DEV, encoding="flat", compression=compression)
+    await run_patch_round_trip(kw, dict(transport_device=DEV, encoding="flat", compression=compression), "cpu", "cpu")
+
+
+async def test_cuda_same_dtype_fp32_round_trip_and_init_sync():
+    kw = dict(snapshot_device="cpu", encoding="flat", compression="zstd", init_sync_enabled=True)
+    src = Net().to(DEV)
+    dst = Net().to(DEV)
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.add_(1.0)  # receiver starts elsewhere; the bootstrap fixes it
+    names = collect_param_names_need_sync(src)
+    s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(encoding="flat", compression="zstd")
+    a, b = inproc_pair(timeout=60)
+    await asyncio.gather(s.init_sender(src.state_dict(), names, a.send, a.recv),
+                         r.init_receiver(dst.state_dict(), b.recv, b.send))
+    assert_bit_exact(src.state_dict(), dst.state_dict(), list(src.state_dict()))
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
+    for version in (1, 2, 3):
+        train_step(src, opt, version)
+        await s.sync(src.state_dict(), a.send, version)
+        assert await r.apply(dst, b.recv) == version
+        assert_bit_exact(src.state_dict(), dst.state_dict(), names)
+
+
+@pytest.mark.parametrize("snap_dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool])
+def test_cuda_builder_matches_cpu_numba_builder(snap_dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4097,), (33, 65), (3, 5, 7), ()]
+    if snap_dtype == torch.bool:
+        base = [torch.rand(s, generator=g) > 0.5 for s in shapes]
+    elif snap_dtype == torch.int64:
+        base = [torch.randint(0, 50, s, generator=g) for s in shapes]
+    else:
+        base = [torch.randn(s, generator=g) for s in shapes]
+    cpu = Snapshot("cpu")
+    gpu_snap = Snapshot(DEV)
+    pinned = Snapshot("cpu")  # W13: CPU snapshot diffed against CUDA tensors
+    dtypes = [snap_dtype] * len(shapes)
+    cpu.load(base, dtypes)
+    gpu_snap.load([t.to(DEV) for t in base], dtypes)
+    pinned.load([t.to(DEV) for t in base], dtypes)
+    for step in range(3):
+        cur = [t.clone() for t in base]
+        for t in cur:
+            n = t.numel()
+            idx = torch.randperm(n, generator=g)[: max(1, n // (2 + 10 * step))]
+            if t.dtype == torch.bool:
+                t.view(-1)[idx] = ~t.view(-1)[idx]
+            elif t.dtype == torch.int64:
+                t.view(-1)[idx] += 1
+            else:
+                t.view(-1)[idx] += 1e-3
+        d_cpu = cpu.diff(cur)
+        d_gpu = gpu_snap.diff([t.to(DEV) for t in cur], "cpu")
+        torch.cuda.synchronize()
+        d_pin = pinned.diff([t.to(DEV) for t in cur], "cpu")
+        if pinned.staged_event is not None:
+            pinned.staged_event.synchronize()
+        for other in (d_gpu, d_pin):
+            assert [d.slot for d in other] == [d.slot for d in d_cpu]
+            for x, y in zip(d_cpu, other):
+                assert torch.equal(x.positions, y.positions.cpu())
+                assert torch.equal(x.new_bits, y.new_bits.cpu()) and torch.equal(x.old_bits, y.old_bits.cpu())
+        for i in range(len(shapes)):
+            assert torch.equal(bits(cpu.tensor(i)), bits(gpu_snap.tensor(i)).cpu())
+            assert torch.equal(bits(cpu.tensor(i)), bits(pinned.tensor(i)))  # write-back finished
+        base = cur
+    for snap in (cpu, gpu_snap, pinned):
+        snap.close()
+
+
+@pytest.mark.parametrize("bucket_dtype", [None, "bfloat16"])
+async def test_bucket_cuda_device(bucket_dtype):
+    src = Net().to(DEV)
+    dst = Net().to(DEV)
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.zero_()
+    s = BucketWeightSyncer(bucket_size=4096, bucket_dtype=bucket_dtype, bucket_device=DEV)
+    r = BucketWeightSyncer(bucket_size=4096, bucket_dtype=bucket_dtype)
+    a, b = inproc_pair(timeout=60)
+    await s.init_sender(src.state_dict(), None, a.send)
+    await r.init_receiver(dst.state_dict(), b.recv)
+    await s.sync(src.state_dict(), a.send, 2**33)
+    assert await r.apply(dst, b.recv) == 2**33
+    for k, v in src.state_dict().items():
+        want = v.to(getattr(torch, bucket_dtype)) if (bucket_dtype and v.is_floating_point()) else v
+        assert torch.equal(bits(want.to(dst.state_dict()[k].dtype)), bits(dst.state_dict()[k])), k
