@@ -8,13 +8,18 @@ checkpoint), :mod:`aiosync.runners` (loops), :mod:`aiosync.cli` (``aiosync demo|
 
 from .aio import AwaitableEvent, run_sync, wait_event
 from .configs import load_config
+from .coordination import (ExplorerHandle, FilterResult, LatestSlot, Lease, LoopLagMonitor, PolicySlot, RunningStatus,
+                           StalenessFilter, Synchronizer, SynchronizerConfig, SyncMethod, SyncStyle, TrainerHandle)
 from .errors import (AiosyncError, ApplyError, ClosedResourceError, CodecUnavailableError, ConfigError,
-                     EndOfStream, HandshakeError, PatchChainError, PayloadError, PeerTimeoutError, VersionError,
-                     WouldBlock)
+                     EndOfStream, HandshakeError, PatchChainError, PayloadError, PeerTimeoutError,
+                     StateTransitionError, TransportError, VersionError, WouldBlock)
+from .runners import ExplorerLoop, TrainerLoop
 from .syncers import (BucketWeightSyncer, CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch,
                       WeightSyncer, WeightSyncerConfig, as_coo_2d_view, collect_param_names_need_sync, delta_decode,
                       delta_encode, downscale_nonnegative_indices, iter_named_tensor_buckets)
+from .transports.checkpoint import CheckpointDir
 from .transports.inproc import InProcTransport, inproc_pair
+from .transports.simulated import SimulatedTransport, simulated_pair
 
 __version__ = "0.1.0"
 
@@ -22,7 +27,11 @@ __all__ = [
     "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "WeightPatch", "EmptyWeightPatch",
     "CompressedWeightPatch", "WeightSyncerConfig", "as_coo_2d_view", "downscale_nonnegative_indices",
     "delta_encode", "delta_decode", "collect_param_names_need_sync", "iter_named_tensor_buckets",
+    "Synchronizer", "SynchronizerConfig", "TrainerHandle", "ExplorerHandle", "SyncMethod", "SyncStyle",
+    "RunningStatus", "PolicySlot", "Lease", "LatestSlot", "StalenessFilter", "FilterResult", "LoopLagMonitor",
+    "TrainerLoop", "ExplorerLoop", "SimulatedTransport", "simulated_pair", "CheckpointDir",
     "InProcTransport", "inproc_pair", "load_config", "AwaitableEvent", "wait_event", "run_sync",
     "AiosyncError", "ApplyError", "ClosedResourceError", "CodecUnavailableError", "ConfigError", "EndOfStream",
-    "HandshakeError", "PatchChainError", "PayloadError", "PeerTimeoutError", "VersionError", "WouldBlock",
+    "HandshakeError", "PatchChainError", "PayloadError", "PeerTimeoutError", "StateTransitionError", "TransportError",
+    "VersionError", "WouldBlock",
 ]

@@ -461,21 +461,31 @@ def _corruptions(patch):
             out.append(("gap beyond tensor", rep(patch, cols=cols)))
         out.append(("unknown encoding", rep(patch, encoding="csr")))
     else:
+        # zstd streams travel as frames named "<stream>#<i>"
         blobs = dict(patch.blobs)
-        name = "values" if "values" in blobs else next(k for k in blobs if k.startswith("values"))
+        name = next(k for k in blobs if k.startswith("values"))
         blobs[name] = blobs[name][:-3]
         out.append(("truncated zstd blob", rep(patch, blobs=blobs)))
         blobs = dict(patch.blobs)
-        bad = blobs["cols"].clone()
+        bad = blobs["cols#0"].clone()
         bad[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # destroy the zstd frame magic
-        blobs["cols"] = bad
+        blobs["cols#0"] = bad
         out.append(("corrupted zstd blob", rep(patch, blobs=blobs)))
         sizes = dict(patch.sizes)
-        sizes["cols"] += 1
+        sizes["cols#0"] += 1
         out.append(("wrong stream size", rep(patch, sizes=sizes)))
+        sizes = dict(patch.sizes)
+        sizes["cols"] += 1
+        out.append(("wrong total stream size", rep(patch, sizes=sizes)))
         blobs = dict(patch.blobs)
-        del blobs["cols"]
+        del blobs["cols#0"]
         out.append(("missing stream", rep(patch, blobs=blobs)))
+        blobs = dict(patch.blobs)
+        blobs["cols#7"] = blobs["cols#0"]
+        out.append(("frame gap", rep(patch, blobs=blobs)))
+        blobs = dict(patch.blobs)
+        blobs["cols#x"] = blobs["cols#0"]
+        out.append(("malformed frame name", rep(patch, blobs=blobs)))
         out.append(("unknown codec", rep(patch, codec="brotli")))
         dtypes = dict(patch.dtypes)
         dtypes["cols"] = "float32"

@@ -262,7 +262,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
-                              description=__doc__.split("\n\n")[0])
+                              description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
     p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "faults"]))
     p.add_argument("--explorers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")

@@ -144,6 +144,10 @@ class SenderLink:
     request_seq: int = 0
     served_seq: int = 0
     last_outcome: str = ""
+    #: False once the explorer stopped: handshakes no longer wait for it.
+    active: bool = True
+    #: Bootstrap every key at the first init (the explorer's weights are unknown).
+    bootstrap_first: bool = False
     closed: bool = False
     sender: WeightSyncer | None = None
     _reinit_version: int | None = field(default=None, repr=False)
@@ -188,6 +192,22 @@ class SenderLink:
                 await self._changed.wait()
         return not self.busy
 
+    @property
+    def settled(self) -> bool:
+        """Nothing is being delivered: idle, or only waiting for the trainer to publish."""
+        return not self.busy or self in self.source.waiting
+
+    async def wait_settled(self, timeout: float | None) -> bool:
+        """Wait until no delivery (build, transfer, apply) is outstanding; False on timeout.
+
+        Unlike :meth:`wait_idle`, a request that waits for the trainer does not count: the
+        trainer that waits here is the one that will answer it.
+        """
+        with anyio.move_on_after(timeout):
+            while not self.settled and not self.closed:
+                await self._changed.wait()
+        return self.settled
+
     # -- the task ----------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -220,6 +240,8 @@ class SenderLink:
     async def _serve(self, req: Request) -> str:
         async with self.source.borrow(self, req.fresh_after, req.deadline) as pub:
             if pub is None:
+                if self.source.trainer_stopped:
+                    return "trainer_stopped"  # S5: nothing newer will come
                 self.stats.timeouts += 1
                 return "timeout"
             if not self.needs_reinit and self.applied_version is not None and pub.version <= self.applied_version:
@@ -233,7 +255,7 @@ class SenderLink:
     async def _build(self, pub) -> tuple[Packet, bool]:
         reinit = self.needs_reinit
         if reinit:
-            bootstrap = self.applied_version is not None or self.stats.failed > 0
+            bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
             sender = self.make_syncer(bootstrap)
             self._reinit_version = pub.version
             await self.transport.send(Reinit(pub.version, bootstrap))
@@ -338,7 +360,7 @@ class ReceiverEndpoint:
             except (EndOfStream, ClosedResourceError):
                 return
             if isinstance(msg, Reinit):
-                ack = await self._handle(msg.version, lambda model: self._reinit(model, msg), None)
+                ack = await self._handle(msg.version, lambda model: self._reinit(model, msg), None, allow_same=True)
             elif isinstance(msg, Packet):
                 # A syncer whose apply is all-or-nothing (supports_no_wait) needs no slot backup.
                 atomic = self.receiver is not None and self.receiver.supports_no_wait
@@ -354,7 +376,7 @@ class ReceiverEndpoint:
             except Exception as exc:
                 log.warning("aiosync: %s could not acknowledge version %d: %s", self.name, ack.version, exc)
 
-    async def _handle(self, version: int, write, backup: bool | None) -> Ack:
+    async def _handle(self, version: int, write, backup: bool | None, allow_same: bool = False) -> Ack:
         t0 = time.perf_counter()
         self.applying = True
         async def bounded(model: Any) -> int:
@@ -362,7 +384,7 @@ class ReceiverEndpoint:
                 return await write(model)
 
         try:
-            applied = await self.slot.apply(bounded, backup=backup)
+            applied = await self.slot.apply(bounded, backup=backup, allow_same=allow_same)
             return Ack(version, applied, None, time.perf_counter() - t0)
         except (ApplyError, PeerTimeoutError) as exc:
             return Ack(version, self.slot.version, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)

@@ -157,7 +157,7 @@ class PolicySlot(Generic[M]):
     # -- the writer -------------------------------------------------------------------
 
     async def apply(self, write: Callable[[M], Awaitable[int]], *, timeout: float | None = None,
-                    backup: bool | None = None) -> int:
+                    backup: bool | None = None, allow_same: bool = False) -> int:
         """Write a new version into the model atomically with respect to leases.
 
         ``write(model)`` writes the new weights and returns their version (e.g. a syncer's
@@ -166,15 +166,20 @@ class PolicySlot(Generic[M]):
         If ``write`` raises, or returns a version that does not increase, the tensors are
         restored from the backup, the version is left as it was, and
         :class:`aiosync.errors.ApplyError` is raised (cancellation is re-raised after the same
-        rollback). Applies are serialized in call order.
+        rollback). Applies are serialized in call order. ``backup=False`` skips the backup for a
+        ``write`` that is all-or-nothing by itself (a patch syncer validates before writing and
+        rolls its own writes back); the default is the slot's ``backup``. ``allow_same=True``
+        also accepts the current version again (re-bootstrapping the version already held).
         """
         timeout = self.timeout if timeout is None else timeout
+        backup = self.backup if backup is None else backup
         async with self._apply_lock:
-            if self.backup:
-                await run_sync(self._take_backup)
             started = time.perf_counter()
+            # Registered before the backup: leases asked for from now on wait for this apply.
             self._writers_waiting += 1
             try:
+                if backup:
+                    await run_sync(self._take_backup)  # leases still in use only read
                 with anyio.fail_after(timeout):
                     while self._writing or self._readers:
                         await self._changed.wait()
@@ -193,7 +198,8 @@ class PolicySlot(Generic[M]):
                 new_version = await write(self.model)
                 if isinstance(new_version, bool) or not isinstance(new_version, int):
                     raise VersionError(f"apply returned {new_version!r}, not an integer version")
-                if self.version is not None and new_version <= self.version:
+                if self.version is not None and (new_version < self.version or (
+                        new_version == self.version and not allow_same)):
                     raise VersionError(
                         f"apply returned version {new_version}, not above the applied version {self.version}"
                     )

@@ -62,9 +62,11 @@ class _SourceBase:
     publish_s: float = 0.0
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
 
-    def _notify(self) -> None:
+    def _notify(self, link: Any = None) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+        if link is not None and hasattr(link, "_notify"):
+            link._notify()  # its "settled" state changed
 
     def stop(self) -> None:
         """The trainer stopped: waiting links get the newest publish at once."""
@@ -84,7 +86,7 @@ class _SourceBase:
         if fresh_after is None:
             return True
         self.waiting.add(link)
-        self._notify()
+        self._notify(link)
         try:
             while self.seq <= fresh_after and not self.trainer_stopped:
                 timeout = None if deadline is None else deadline - time.monotonic()
@@ -95,7 +97,7 @@ class _SourceBase:
             return True
         finally:
             self.waiting.discard(link)
-            self._notify()
+            self._notify(link)
 
     def _check_version(self, version: int) -> None:
         if self.latest is not None and version <= self.latest.version:
@@ -209,7 +211,7 @@ class DirectSource(_SourceBase):
     async def borrow(self, link: Any, fresh_after: int | None, deadline: float | None) -> AsyncIterator[Published | None]:
         """Wait for an open window (or a stopped trainer), then hold it while building."""
         self.waiting.add(link)
-        self._notify()
+        self._notify(link)
         try:
             while self.window is None and not self.trainer_stopped:
                 timeout = None if deadline is None else deadline - time.monotonic()
@@ -219,7 +221,7 @@ class DirectSource(_SourceBase):
                     await self._changed.wait()
         finally:
             self.waiting.discard(link)
-            self._notify()
+            self._notify(link)
         window = self.window
         if window is None or link in window.joined:
             yield None

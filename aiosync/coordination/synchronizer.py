@@ -49,13 +49,14 @@ TransportFactory = Callable[[str], "tuple[Transport, Transport]"]
 
 
 
-def _syncer_factory(weight_syncer: Any) -> tuple[SyncerFactory, Any]:
-    """``(make_syncer(bootstrap), what to check)`` from a config or a zero-argument factory."""
+def _syncer_factory(weight_syncer: Any) -> tuple[SyncerFactory, Any, bool]:
+    """``(make_syncer(bootstrap), what to check, whether a patch pair skips the bootstrap)``
+    from a config or a zero-argument factory."""
     if callable(weight_syncer) and not isinstance(weight_syncer, Mapping) and not dataclasses.is_dataclass(weight_syncer):
         probe = weight_syncer()
         if not isinstance(probe, WeightSyncer):
             raise ConfigError(f"weight_syncer factory returned {type(probe).__name__}, not a WeightSyncer")
-        return (lambda bootstrap: weight_syncer()), probe
+        return (lambda bootstrap: weight_syncer()), probe, False
     from ..syncers.config import WeightSyncerConfig
 
     cfg = WeightSyncerConfig.from_any(weight_syncer)
@@ -68,7 +69,7 @@ def _syncer_factory(weight_syncer: Any) -> tuple[SyncerFactory, Any]:
     def make(bootstrap: bool) -> WeightSyncer:
         return WeightSyncer.create(repair_cfg if bootstrap else cfg)
 
-    return make, cfg
+    return make, cfg, cfg.type == "patch" and not cfg.patch.init_sync.enabled
 
 
 @dataclass(eq=False)
@@ -145,7 +146,7 @@ class TrainerHandle:
         blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
         t0 = time.perf_counter()
         if blocking:
-            await sync._wait_links_idle(sync._links(), cfg.delivery_timeout)
+            await sync._wait_links_settled(sync._links(), cfg.delivery_timeout)
         push = cfg.sync_weight_no_wait and cfg.style is SyncStyle.TRAINER_DRIVEN
         handed: list[tuple[SenderLink, int]] = []
         if cfg.method is SyncMethod.NCCL:
@@ -162,7 +163,9 @@ class TrainerHandle:
             await sync._wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
         dt = time.perf_counter() - t0
         self.sync_s.add(dt)
-        return {"version": version, "blocking": blocking, "handed_to": [link.name for link, _ in handed], "sync_s": dt}
+        failed = [link.name for link, _ in handed if blocking and link.last_outcome == "failed"]
+        return {"version": version, "blocking": blocking, "handed_to": [link.name for link, _ in handed],
+                "failed": failed, "sync_s": dt}
 
     async def _serve_current(self) -> dict[str, Any]:
         """No training since the last publish: answer waiting explorers with that version."""
@@ -183,18 +186,23 @@ class TrainerHandle:
         sync, cfg = self.sync, self.sync.config
         source: DirectSource = sync.source
         links = only if only is not None else sync._links()
-        self.state.set(RunningStatus.REQUIRE_SYNC)
+        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)  # a stopped trainer can still serve
         try:
             window = source.open(self.live(), version, reopen=reopen)
             self.version = version
             handed = []
             expected = set(source.waiting)
+            # Pushed requests are answered by the links' own tasks, not by explorer loops, so
+            # they get the delivery bound; explorer loops that must come to check get sync_timeout.
+            pushed = push or only is not None
+            wait = cfg.delivery_timeout if pushed else cfg.sync_timeout
             for link in links:
-                if push or only is not None:
-                    handed.append((link, link.request()))
-                if link.in_flight is None and (only is not None or cfg.style is not SyncStyle.EXPLORER_DRIVEN):
+                if pushed:
+                    handed.append((link, link.request(deadline=time.monotonic() + wait)))
+                if link.in_flight is None and (only is not None or (
+                        link.active and cfg.style is not SyncStyle.EXPLORER_DRIVEN)):
                     expected.add(link)
-            deadline = time.monotonic() + cfg.sync_timeout
+            deadline = time.monotonic() + wait
             missing = await source.wait_window_done(window, expected, deadline)
             if missing:
                 self.handshake_timeouts += len(missing)
@@ -206,8 +214,7 @@ class TrainerHandle:
                        for link in joined if link.name not in handed_names]
         finally:
             source.close_window()
-            if self.state.status is RunningStatus.REQUIRE_SYNC:
-                self.state.set(RunningStatus.RUNNING)
+            self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
         return handed
 
     async def step_done(self) -> bool:
@@ -233,7 +240,7 @@ class TrainerHandle:
             await self.sync_weight(self.step)
         if cfg.method is SyncMethod.NCCL:
             for _ in range(3):
-                await sync._wait_links_idle(sync._links(), cfg.delivery_timeout)
+                await sync._wait_links_settled(sync._links(), cfg.delivery_timeout)
                 behind = [link for link in sync._links()
                           if link.needs_reinit or link.applied_version is None or link.applied_version < self.version]
                 if not behind:
@@ -342,7 +349,7 @@ class ExplorerHandle:
     async def wait_applied(self, timeout: float | None = None) -> int | None:
         """Wait until no delivery is pending or in flight (background applies done)."""
         timeout = self.sync.config.delivery_timeout if timeout is None else timeout
-        if not await self.link.wait_idle(timeout):
+        if not await self.link.wait_settled(timeout):
             raise PeerTimeoutError(f"explorer {self.name}: deliveries still running after {timeout}s")
         return self.slot.version
 
@@ -353,7 +360,8 @@ class ExplorerHandle:
         """
         if self.state.status is RunningStatus.STOPPED:
             return
-        await self.link.wait_idle(self.sync.config.sync_timeout + self.sync.config.delivery_timeout)
+        await self.link.wait_settled(self.sync.config.delivery_timeout)
+        self.link.active = False
         self.state.set(RunningStatus.STOPPED)
 
 
@@ -380,7 +388,7 @@ class Synchronizer:
             from ..configs import load_config
 
             weight_syncer = load_config("weight_syncer/patch_syncer")
-        self._make_syncer, probe = _syncer_factory(weight_syncer)
+        self._make_syncer, probe, self._no_init_bootstrap = _syncer_factory(weight_syncer)
         self.config.check_weight_syncer(probe)
         delivery_timeout = self.config.delivery_timeout
         self._transport_factory = transport_factory or (lambda name: inproc_pair(timeout=delivery_timeout))
@@ -411,15 +419,18 @@ class Synchronizer:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool | None:
-        if exc_type is None:
-            try:
+        # A body that failed or was cancelled, or a failed drain, stops the background tasks
+        # (applies in progress roll back); the exception propagates unchanged, not wrapped
+        # in an exception group.
+        drained = False
+        try:
+            if exc_type is None:
                 await self.drain()
-            except BaseException as err:
-                self._shutdown(cancel=True)
-                await self._tg.__aexit__(type(err), err, err.__traceback__)
-                raise
-        self._shutdown(cancel=exc_type is not None or not self._drained)
-        return await self._tg.__aexit__(exc_type, exc, tb)
+                drained = self._drained
+        finally:
+            self._shutdown(cancel=not drained)
+            await self._tg.__aexit__(None, None, None)
+        return None
 
     def _shutdown(self, cancel: bool) -> None:
         for handle in self.explorers.values():
@@ -477,6 +488,10 @@ class Synchronizer:
         trainer's current weights: the syncer pair's init conversation (bootstrap), then a
         first, always blocking, sync. Explorers may join at any time (S12); with NCCL call it
         while the trainer's weights are not changing (e.g. from the trainer's task).
+
+        With a patch syncer whose ``init_sync`` is off, the explorer is still bootstrapped
+        unless it declares ``version`` equal to the trainer's (its model already holds those
+        weights, as the seed assumes).
         """
         tg = self._require_started()
         if self.trainer is None:
@@ -489,6 +504,9 @@ class Synchronizer:
         state = StatusCell(f"explorer {name}")
         link = SenderLink(name, sync_end, self._make_syncer, self.source, self.trainer.names,
                           self.config.delivery_timeout, on_busy_change=lambda lk: self._on_busy(state, lk))
+        # Patch mode without init_sync trusts the explorer to hold the trainer's weights already
+        # (the seed's assumption); only an explorer that declares its version gets that trust.
+        link.bootstrap_first = self._no_init_bootstrap and slot.version != self.trainer.version
         endpoint = ReceiverEndpoint(name, slot, explorer_end, self._make_syncer, timeout=self.config.delivery_timeout)
         handle = ExplorerHandle(self, name, slot, link, endpoint, state)
         self.explorers[name] = handle
@@ -529,16 +547,19 @@ class Synchronizer:
         cfg = self.config
         timeout = cfg.sync_timeout + cfg.delivery_timeout if timeout is None else timeout
 
+        if cfg.method is not SyncMethod.NCCL:
+            self.source.announce()  # the last publish answers requests still waiting for the trainer
+
         async def drain_one(handle: ExplorerHandle) -> None:
             link = handle.link
             for _ in range(4):
-                await link.wait_idle(timeout)
+                await link.wait_settled(timeout)
                 target = self.source.latest.version if self.source.latest is not None else None
                 if target is None or (not link.needs_reinit and link.applied_version is not None
                                       and link.applied_version >= target):
                     return
-                if cfg.method is SyncMethod.NCCL and self.trainer.status is RunningStatus.STOPPED:
-                    return  # the trainer's stop() already served everyone it could
+                if cfg.method is SyncMethod.NCCL:
+                    return  # only the trainer's live tensors can serve it: TrainerHandle.stop() does
                 await link.wait_served(link.request(), timeout)
 
         if self.trainer is not None:
@@ -560,9 +581,9 @@ class Synchronizer:
         else:
             state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
 
-    async def _wait_links_idle(self, links: list[SenderLink], timeout: float) -> None:
+    async def _wait_links_settled(self, links: list[SenderLink], timeout: float) -> None:
         for link in links:
-            if not await link.wait_idle(timeout):
+            if not await link.wait_settled(timeout):
                 raise PeerTimeoutError(f"explorer {link.name}: background apply still running after {timeout}s")
 
     async def _wait_served(self, handed: list[tuple[SenderLink, int]], timeout: float) -> None:
@@ -595,6 +616,7 @@ class Synchronizer:
                 "build_s": s.build_s.as_dict(),
                 "transfer_s": s.transfer_s.as_dict(),
                 "apply_s": s.apply_s.as_dict(),
+                "last_sync": dict(h.link.sender.last_stats) if h.link.sender is not None else {},
                 "lease_wait_s": h.slot.stats.last_lock_wait_s,
                 "leases": h.slot.stats.leases,
                 "last_error": s.last_error,

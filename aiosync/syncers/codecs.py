@@ -18,6 +18,8 @@ from .payloads import CompressedWeightPatch, WeightPatch
 
 NVCOMP_ALGORITHMS = {"nvcomp_lz4": "LZ4", "nvcomp_zstd": "Zstd"}
 _POOL: ThreadPoolExecutor | None = None
+_FRAME_BYTES = 1 << 20  # a zstd frame per MiB of stream, at most _MAX_FRAMES per stream
+_MAX_FRAMES = 4
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -154,8 +156,16 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
                 grouped = np.concatenate([values[a:b] for a, b in ranges]) if len(ranges) > 1 else values[ranges[0][0]:ranges[0][1]]
                 jobs[f"values.{w}"] = shuffle_bytes(grouped, w)
                 sizes[f"values.{w}"] = grouped.size
-        futures = {k: _pool().submit(_zstd_compress, v, level) for k, v in jobs.items()}
+        # Large streams are cut into frames compressed in parallel (named ``<stream>#<i>``).
+        parts = {}
+        for k, v in jobs.items():
+            n = max(1, min(_MAX_FRAMES, v.size // _FRAME_BYTES))
+            bounds = [v.size * i // n for i in range(n + 1)]
+            for i in range(n):
+                parts[f"{k}#{i}"] = v[bounds[i]:bounds[i + 1]]
+        futures = {k: _pool().submit(_zstd_compress, v, level) for k, v in parts.items()}
         blobs = {k: torch.from_numpy(f.result().copy()) for k, f in futures.items()}
+        sizes.update({k: v.size for k, v in parts.items()})
     elif codec in NVCOMP_ALGORITHMS:
         streams["values"] = patch.values
         sizes["values"] = patch.values.numel()
@@ -191,14 +201,35 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
         raise PayloadError(f"unknown patch codec {cp.codec!r}")
 
     def stream(name: str):
-        if name not in cp.blobs or name not in cp.sizes:
-            raise PayloadError(f"compressed patch lacks stream {name!r}")
-        size = cp.sizes[name]
+        if nvcomp:
+            _check_size(name)
+            if name not in cp.blobs:
+                raise PayloadError(f"compressed patch lacks stream {name!r}")
+            return _nvcomp_decompress(cp.blobs[name], cp.sizes[name], name)
+        frames = sorted((k for k in cp.blobs if k.split("#")[0] == name), key=_frame_index)
+        if not frames or [_frame_index(k) for k in frames] != list(range(len(frames))):
+            raise PayloadError(f"compressed patch lacks stream {name!r} (or some of its frames)")
+        for k in frames:
+            _check_size(k)
+        if len(frames) == 1:
+            raw = _zstd_decompress(cp.blobs[frames[0]], cp.sizes[frames[0]], frames[0])
+        else:
+            futs = [_pool().submit(_zstd_decompress, cp.blobs[k], cp.sizes[k], k) for k in frames]
+            raw = np.concatenate([f.result() for f in futs])
+        if name in cp.sizes and cp.sizes[name] != raw.size:
+            raise PayloadError(f"compressed patch stream {name!r} holds {raw.size} bytes, expected {cp.sizes[name]}")
+        return raw
+
+    def _check_size(name: str) -> None:
+        size = cp.sizes.get(name)
         if not isinstance(size, int) or size < 0 or size > (1 << 40):
             raise PayloadError(f"compressed patch stream {name!r} has an invalid size {size!r}")
-        if nvcomp:
-            return _nvcomp_decompress(cp.blobs[name], size, name)
-        return _zstd_decompress(cp.blobs[name], size, name)
+
+    def _frame_index(key: str) -> int:
+        _, _, idx = key.partition("#")
+        if not idx.isdigit():
+            raise PayloadError(f"compressed patch has a malformed frame name {key!r}")
+        return int(idx)
 
     def index_stream(name: str) -> torch.Tensor:
         dtype = _INDEX_DTYPES.get(cp.dtypes.get(name, ""))

@@ -129,7 +129,7 @@ class Snapshot:
     everywhere; used by tests to exercise the GPU algorithm on CPU).
     """
 
-    def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 20,
+    def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 21,
                  workers: int | None = None, kernel: str = "auto") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,15 @@
+"""Transports: where payloads travel. Syncers only ever see ``send`` / ``recv``.
+
+* :mod:`.base` — the :class:`Transport` interface and ``payload_nbytes``
+* :mod:`.inproc` — in-process, zero copy (T1)
+* :mod:`.simulated` — latency, bandwidth, jitter, injected failures (T4)
+* :mod:`.checkpoint` — a directory of safetensors files with atomic publish (T3)
+"""
+
+from .base import Transport, payload_nbytes
+from .checkpoint import CheckpointDir
+from .inproc import InProcTransport, inproc_pair
+from .simulated import SimulatedTransport, simulated_pair
+
+__all__ = ["Transport", "payload_nbytes", "InProcTransport", "inproc_pair", "SimulatedTransport", "simulated_pair",
+           "CheckpointDir"]
