@@ -27,6 +27,7 @@ import torch
 
 from ..configs import load_config
 from ..syncers import WeightSyncer
+from ..syncers.kernels import warm_up
 from ..syncers.snapshot import as_bits
 from ..transports.base import payload_nbytes
 from ..transports.inproc import inproc_pair
@@ -109,17 +110,6 @@ def bit_exact(sender: dict[str, torch.Tensor], receiver: dict[str, torch.Tensor]
     return all(torch.equal(as_bits(sender[k].to(receiver[k].dtype)), as_bits(receiver[k])) for k in sender)
 
 
-def warm_up_kernels() -> None:
-    """Compile the numba builder kernels before anything is timed."""
-    from ..syncers.snapshot import Snapshot
-
-    for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool):
-        snap = Snapshot("cpu")
-        snap.load([torch.zeros(130, dtype=dtype)], [dtype])
-        snap.diff([torch.ones(130, dtype=dtype)])
-        snap.close()
-
-
 async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, receiver, link: SimulatedLink,
                     version: int) -> tuple[float, int, dict]:
     t0 = time.perf_counter()
@@ -149,7 +139,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     del kept
     clone_s = statistics.median(clone_times)
 
-    warm_up_kernels()
+    warm_up()
     pairs = {}
     task = progress.add_task("init sync (bootstrap) per mode", total=len(modes))
     for name in modes:

@@ -303,3 +303,36 @@ def varint_bytes(value: int) -> bytes:
     out.append(value)
     return bytes(out)
 
+
+
+_WARM: set[int] = set()
+
+
+def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Compile (or load from numba's on-disk cache) the kernels for these element widths.
+
+    numba holds the GIL while it compiles, so this belongs in set-up (``init_sender`` /
+    ``init_receiver`` call it in a worker thread), not in the first sync, where it would
+    stall the event loop.
+    """
+    todo = [w for w in widths if w not in _WARM]
+    if not todo:
+        return
+    dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    for w in todo:
+        dt = dtypes[w]
+        n = 130
+        new, snap = np.ones(n, dt), np.zeros(n, dt)
+        pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
+        diff_and_update(new, snap.copy(), pos, nv, ov, 0)
+        gaps, planes = np.empty(n * 10, np.uint8), np.empty((w, n), np.uint8)
+        k, g, _, _, _ = diff_encode_flat(new, snap.copy(), False, w, gaps, planes)
+        encode_flat(pos, nv, ov, 0, w, -1, gaps, planes, 0)
+        out = np.empty(k, np.int64)
+        decode_gaps(gaps, 0, g, k, n, out)
+        apply_flat(np.zeros(n, dt), out, planes, 0, k, w)
+        if w == 2:
+            src = np.ones(n, np.uint32)
+            diff_cast_f32_bf16(src, snap.copy(), pos, nv, ov, 0)
+            diff_encode_flat(src, snap.copy(), True, w, gaps, planes)
+        _WARM.add(w)

@@ -125,6 +125,7 @@ class PatchWeightSyncer(WeightSyncer):
             raise
         self._is_sender = is_sender
         self._names = names
+        await run_sync(_warm_up_kernels, [state_dict[k] for k in names])
         if not is_sender:
             self._slot_keys = names
             self._bootstrap_keys = boot
@@ -298,6 +299,7 @@ class PatchWeightSyncer(WeightSyncer):
             raise ValueError("patch mode's init_receiver needs `send` to send its metadata to the sender")
         check_no_reserved_keys(state_dict.keys())
         keys = list(state_dict.keys())
+        await run_sync(_warm_up_kernels, list(state_dict.values()))
         viewable = []
         for k in keys:
             try:
@@ -425,6 +427,13 @@ class PatchWeightSyncer(WeightSyncer):
             index = (r, pos - r * lay.cols)
         old = view[index]
         return view, index, d.new_bits(old), old
+
+
+def _warm_up_kernels(tensors: list[torch.Tensor]) -> None:
+    """Compile the numba kernels for these tensors' element widths during set-up."""
+    from .kernels import warm_up
+
+    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in (1, 2, 4, 8)})))
 
 
 def _apply_flat_cpu(t: torch.Tensor, d: DecodedTensor) -> None:
