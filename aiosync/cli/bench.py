@@ -114,7 +114,9 @@ async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, recei
                     version: int) -> tuple[float, int, dict]:
     t0 = time.perf_counter()
     await asyncio.gather(syncer_s.sync(state, link.send, version), syncer_r.apply(receiver, link.b.recv))
-    return time.perf_counter() - t0, syncer_s.last_stats.get("bytes", 0), dict(syncer_s.last_stats)
+    stats = dict(syncer_s.last_stats)
+    stats["apply_s"] = syncer_r.last_stats.get("apply_s", 0.0)
+    return time.perf_counter() - t0, syncer_s.last_stats.get("bytes", 0), stats
 
 
 async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup: int, seed: int,
@@ -173,6 +175,8 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
             if phase == "e2e_s":
                 row["bytes"] = nbytes
                 row["build_s"] = stats.get("build_s", stats.get("sync_s", 0.0))
+                row["encode_s"] = stats.get("encode_s", 0.0)
+                row["apply_s"] = stats["apply_s"]
                 if changed is None and before is not None:
                     changed = sum(int((as_bits(before[k]) != as_bits(receiver[k])).sum()) for k in receiver)
                     del before
@@ -183,7 +187,8 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     return {
         "elements": elements, "changed": changed, "density": changed / elements, "clone_s": clone_s,
         "modes": [
-            {k: results[n][k] for k in ("name", "bytes", "bytes_per_changed", "build_s", "e2e_s", "e2e_1gbit_s", "bit_exact")}
+            {k: results[n][k] for k in ("name", "bytes", "bytes_per_changed", "build_s", "encode_s", "apply_s", "e2e_s",
+                                        "e2e_1gbit_s", "bit_exact")}
             for n in modes
         ],
     }
@@ -197,11 +202,13 @@ def print_table(report: dict[str, Any]) -> None:
     table = Table(title=(f"aiosync bench: {report['elements'] / 1e6:.1f} M synced elements, "
                          f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
                          f"clone {clone * 1e3:.1f} ms"))
-    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "e2e ms", "e2e/clone", "e2e 1Gbit ms", "bit-exact"):
+    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "e2e ms", "e2e/clone",
+                "e2e 1Gbit ms", "bit-exact"):
         table.add_column(col, justify="right")
     for m in report["modes"]:
         table.add_row(m["name"], f"{m['bytes']:,}", f"{m['bytes_per_changed']:.3f}", f"{m['build_s'] * 1e3:.1f}",
-                      f"{m['build_s'] / clone:.2f}", f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
+                      f"{m['build_s'] / clone:.2f}", f"{m['encode_s'] * 1e3:.1f}", f"{m['apply_s'] * 1e3:.1f}",
+                      f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
                       f"{m['e2e_1gbit_s'] * 1e3:.1f}", "yes" if m["bit_exact"] else "NO")
     console = Console(width=max(Console().width, 130))
     console.print(table)

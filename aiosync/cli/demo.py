@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..aio import run_sync
+from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.ppo import ActorCritic, EnvRunner, PPOConfig, ppo_update
 
@@ -42,7 +43,7 @@ class DemoConfig:
     envs_per_explorer: int = 8
     rollout_steps: int = 32          # env steps per rollout (x envs_per_explorer transitions)
     rollouts_per_step: int = 2       # rollouts per PPO update
-    queue_size: int = 4              # rollouts in progress or waiting for the trainer (credits)
+    queue_size: int = 2              # rollouts in progress or waiting for the trainer (credits)
     steps: int = 400                 # PPO updates = policy versions
     max_seconds: float = 150.0       # stop training after this long, whatever the step
     max_staleness: int = 2           # rollouts older than this (versions) are dropped ...
@@ -50,6 +51,7 @@ class DemoConfig:
     return_window: int = 20          # final_mean_return: mean of the last N episodes
     seed: int = 0
     loop: str = "asyncio"
+    latency: float = 0.0             # > 0: a simulated link with this one-way latency (seconds)
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
 
@@ -62,8 +64,10 @@ class DemoState:
     episodes: list[tuple[float, float]] = field(default_factory=list)   # (seconds, return)
     history: list[dict[str, float]] = field(default_factory=list)       # one row per PPO update
     used_staleness: list[int] = field(default_factory=list)             # one per rollout trained on
+    too_stale: list[tuple[float, int]] = field(default_factory=list)    # (seconds, staleness) over the bound
     lease_versions: dict[str, list[int]] = field(default_factory=dict)
     env_steps: dict[str, int] = field(default_factory=dict)
+    busy_s: dict[str, float] = field(default_factory=dict)             # seconds in rollouts / updates
     last_update: dict[str, float] = field(default_factory=dict)
     dropped: int = 0
     stopping: bool = False
@@ -85,8 +89,10 @@ async def explorer_loop(handle: Any, runner: EnvRunner, queue: asyncio.Queue, cr
         await credits.acquire()                                 # room in the queue? (back-pressure)
         if state.stopping:
             break
+        t0 = time.perf_counter()
         async with handle.lease() as (policy, version):      # one whole version, never torn (S8)
             rollout = await run_sync(runner.rollout, policy, cfg.rollout_steps, version, name)
+        state.busy_s[name] = state.busy_s.get(name, 0.0) + time.perf_counter() - t0
         state.lease_versions[name].append(version)
         state.env_steps[name] = runner.env_steps
         for ret in rollout.episode_returns:
@@ -109,21 +115,26 @@ async def trainer_loop(handle: Any, policy: ActorCritic, queue: asyncio.Queue, c
                     await handle.sync_weight()
                 batch.append(await queue.get())
                 credits.release()                               # an explorer may start the next rollout
+            trainer_version = handle.current_version
             fresh = handle.filter_stale(batch)                  # by applied version (S10)
             state.dropped += fresh.dropped
+            state.too_stale += [(state.elapsed(), s) for s in fresh.staleness if s > cfg.max_staleness]
             if not fresh.kept:
                 continue
             kept_staleness = [s for s in fresh.staleness if cfg.staleness_mode == "downweight" or s <= cfg.max_staleness]
             state.used_staleness += kept_staleness
             for group in optimizer.param_groups:                # linear learning-rate decay
                 group["lr"] = cfg.ppo.lr * max(0.0, 1.0 - handle.step / cfg.steps)
+            t0 = time.perf_counter()
             info = await run_sync(ppo_update, policy, optimizer, fresh.kept, fresh.weights, cfg.ppo, generator)
+            state.busy_s["trainer"] = state.busy_s.get("trainer", 0.0) + time.perf_counter() - t0
             await handle.step_done()                            # publishes the new version (no-wait)
             state.last_update = info
             state.history.append({
                 "t": state.elapsed(), "step": handle.step, "mean_return": state.mean_return(cfg.return_window),
                 "staleness_mean": sum(kept_staleness) / len(kept_staleness),
                 "staleness_max": max(fresh.staleness), "dropped": fresh.dropped,
+                "trainer_version": trainer_version, "used": [(r.explorer, r.version) for r in fresh.kept],
             })
         await handle.stop()                                     # publishes anything unpublished
     finally:
@@ -196,14 +207,19 @@ async def run_demo(cfg: DemoConfig, *, console: Any = None, live: bool | None = 
         "max_staleness": cfg.max_staleness,
         "staleness_mode": cfg.staleness_mode,
     }
-    weight_syncer = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
+    weight_syncer = load_config("weight_syncer/patch_syncer")  # the shipped, recommended patch config
     # Explorers take a credit before each rollout and the trainer gives it back when it takes the
     # rollout: at most queue_size rollouts are in progress or waiting, and each one starts with the
     # newest weights the explorer has at that moment (fresh data, no rollouts piling up).
     queue: asyncio.Queue = asyncio.Queue()
     credits = asyncio.Semaphore(cfg.queue_size)
     show = console is not None
-    async with Synchronizer(config, weight_syncer) as sync:
+    link = None
+    if cfg.latency > 0:  # what if the explorers were behind a slow link? (requests coalesce, staleness grows)
+        from ..transports.simulated import simulated_pair
+
+        link = lambda name: simulated_pair(latency=cfg.latency, seed=cfg.seed)  # noqa: E731
+    async with Synchronizer(config, weight_syncer, transport_factory=link) as sync:
         trainer = await sync.attach_trainer(policy)
         explorers = [await sync.attach_explorer(f"explorer{i}", copy.deepcopy(policy).eval())
                      for i in range(cfg.explorers)]
@@ -244,8 +260,10 @@ async def run_demo(cfg: DemoConfig, *, console: Any = None, live: bool | None = 
         "model_bytes": int(model_bytes),
         "bytes_per_sync": float(totals["bytes_sent"] / totals["delivered"]) if totals["delivered"] else 0.0,
         "loop_lag_p99_ms": float(m.get("loop_lag", {}).get("p99_ms", 0.0)),
+        "busy_fraction": {k: round(v / seconds, 3) for k, v in state.busy_s.items()},
         "lease_versions": state.lease_versions,
         "history": state.history,
+        "too_stale": state.too_stale,
         "episode_returns": state.episodes,
     }
 
@@ -253,7 +271,7 @@ async def run_demo(cfg: DemoConfig, *, console: Any = None, live: bool | None = 
 def summary_table(report: dict[str, Any], cfg: DemoConfig) -> Any:
     from rich.table import Table
 
-    table = Table(title="aiosync demo — summary", title_justify="left")
+    table = Table(title="aiosync demo — summary", title_justify="left", show_header=False)
     table.add_column("", style="bold")
     table.add_column("", justify="right")
     rows = [
@@ -264,10 +282,12 @@ def summary_table(report: dict[str, Any], cfg: DemoConfig) -> Any:
         ("requests coalesced", f"{report['coalesced']}"),
         ("bytes synced", f"{report['bytes_synced']:,}"),
         ("bytes per sync / model size", f"{report['bytes_per_sync']:,.0f} / {report['model_bytes']:,}"),
-        ("staleness of used rollouts (mean / max)", f"{report['mean_staleness']:.2f} / {report['max_staleness']}"),
+        ("staleness of used rollouts, mean / max", f"{report['mean_staleness']:.2f} / {report['max_staleness']}"),
         (f"rollouts dropped (staleness > {cfg.max_staleness})", f"{report['rollouts_dropped']} "
                                                                 f"of {report['rollouts_dropped'] + report['rollouts_used']}"),
         ("explorer versions at the end", ", ".join(f"{k}={v}" for k, v in report["explorer_versions"].items())),
+        ("busy: trainer updating, explorers rolling out",
+         ", ".join(f"{k} {v:.0%}" for k, v in report["busy_fraction"].items())),
         ("event-loop lag p99", f"{report['loop_lag_p99_ms']:.1f} ms"),
         ("seconds", f"{report['seconds']:.1f}"),
     ]
@@ -294,11 +314,15 @@ def save_plot(report: dict[str, Any], path: str, cfg: DemoConfig) -> None:
     ax1.set_title(f"aiosync demo: async PPO on {cfg.env_id} (seed {cfg.seed})")
     ax1.legend(loc="lower right")
     ax2.plot([h["t"] for h in hist], [h["staleness_mean"] for h in hist], label="mean staleness of used rollouts")
-    ax2.plot([h["t"] for h in hist], [h["staleness_max"] for h in hist], alpha=0.5, label="max staleness seen")
+    over = report["too_stale"]
+    if over:
+        ax2.scatter([t for t, _ in over], [s for _, s in over], marker="x", color="red",
+                    label="dropped" if cfg.staleness_mode == "drop" else "down-weighted")
     ax2.axhline(cfg.max_staleness, color="red", linestyle="--", linewidth=1, label="max_staleness")
     ax2.set_ylabel("versions behind")
+    ax2.set_ylim(-0.2, max([cfg.max_staleness + 1] + [s for _, s in over]) * 1.4 + 0.5)  # room for the legend
     ax2.set_xlabel("seconds")
-    ax2.legend(loc="upper right")
+    ax2.legend(loc="upper left", fontsize="small", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -333,6 +357,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-staleness", type=int, default=d.max_staleness, help="versions; older rollouts are dropped")
     p.add_argument("--staleness-mode", choices=["drop", "downweight"], default=d.staleness_mode)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default=d.loop)
+    p.add_argument("--latency", type=float, default=d.latency,
+                   help="seconds; put each explorer behind a simulated link this slow (0: in-process)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the figures here")
     p.add_argument("--plot", metavar="PATH", default=None, help="save a PNG of return and staleness over time")
     p.add_argument("--quiet", action="store_true", help="no live progress and no summary table")
@@ -344,13 +370,14 @@ JSON_KEYS = ("final_mean_return", "steps", "syncs", "coalesced", "mean_staleness
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.explorers < 1 or args.steps < 1 or args.envs < 1 or args.rollout_steps < 1 or args.max_staleness < 0:
+    if (args.explorers < 1 or args.steps < 1 or args.envs < 1 or args.rollout_steps < 1 or args.max_staleness < 0
+            or args.latency < 0 or args.max_seconds <= 0):
         print("aiosync demo: --explorers, --steps, --envs and --rollout-steps must be >= 1, "
-              "--max-staleness >= 0", file=sys.stderr)
+              "--max-staleness and --latency >= 0, --max-seconds > 0", file=sys.stderr)
         return 2
     cfg = DemoConfig(steps=args.steps, max_seconds=args.max_seconds, seed=args.seed, explorers=args.explorers,
                      envs_per_explorer=args.envs, rollout_steps=args.rollout_steps, max_staleness=args.max_staleness,
-                     staleness_mode=args.staleness_mode, loop=args.loop)
+                     staleness_mode=args.staleness_mode, loop=args.loop, latency=args.latency)
     console = None
     if not args.quiet:
         from rich.console import Console
@@ -364,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({k: report[k] for k in JSON_KEYS} | {k: report[k] for k in (
                 "seed", "env_id", "env_steps", "episodes", "final_version", "explorer_versions", "rollouts_dropped",
                 "rollouts_used", "max_staleness_allowed", "model_bytes", "bytes_per_sync", "loop_lag_p99_ms",
-                "lease_versions")}, fh, indent=2)
+                "busy_fraction", "lease_versions")}, fh, indent=2)
     if args.plot:
         save_plot(report, args.plot, cfg)
         if console is not None:
