@@ -125,6 +125,30 @@ def _zigzag(new, old, width):  # pragma: no cover - compiled
     return np.uint64(-2 * d - 1)
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _put_varint(gaps, g, gap):  # pragma: no cover - compiled
+    """Write ``gap`` as a LEB128 varint at ``gaps[g]``; return the next free index."""
+    while gap >= np.uint64(0x80):
+        gaps[g] = np.uint8((gap & np.uint64(0x7F)) | np.uint64(0x80))
+        gap >>= np.uint64(7)
+        g += 1
+    gaps[g] = np.uint8(gap)
+    return g + 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _put_code(planes, k, z, width):  # pragma: no cover - compiled
+    """Write code ``z`` byte-plane-wise; the common widths are unrolled."""
+    if width == 2:
+        planes[0, k] = np.uint8(z & np.uint64(0xFF))
+        planes[1, k] = np.uint8((z >> np.uint64(8)) & np.uint64(0xFF))
+    elif width == 1:
+        planes[0, k] = np.uint8(z & np.uint64(0xFF))
+    else:
+        for bb in range(width):
+            planes[bb, k] = np.uint8((z >> np.uint64(8 * bb)) & np.uint64(0xFF))
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def encode_flat(pos, new, old, count, width, prev, gaps, planes, plane_off):  # pragma: no cover - compiled
     """Gap-code ``pos[:count]`` as LEB128 varints into ``gaps`` and zig-zag code the values.
@@ -137,20 +161,12 @@ def encode_flat(pos, new, old, count, width, prev, gaps, planes, plane_off):  # 
     first_len = 0
     for i in range(count):
         p = np.int64(pos[i])
-        gap = np.uint64(p - prev - 1)
-        prev = p
         start = g
-        while gap >= np.uint64(0x80):
-            gaps[g] = np.uint8((gap & np.uint64(0x7F)) | np.uint64(0x80))
-            gap >>= np.uint64(7)
-            g += 1
-        gaps[g] = np.uint8(gap)
-        g += 1
+        g = _put_varint(gaps, g, np.uint64(p - prev - 1))
+        prev = p
         if i == 0:
             first_len = g - start
-        z = _zigzag(new[i], old[i], width)
-        for b in range(width):
-            planes[b, plane_off + i] = np.uint8((z >> np.uint64(8 * b)) & np.uint64(0xFF))
+        _put_code(planes, plane_off + i, _zigzag(new[i], old[i], width), width)
     return g, first_len
 
 
@@ -267,6 +283,8 @@ def diff_encode_flat(src, snap, fused_cast, width, gaps, planes):  # pragma: no 
                 h = src[s + i]
                 buf[i] = h
                 m |= np.uint64(h != snap[s + i]) << np.uint64(i)
+        if m == 0:
+            continue
         while m:
             i = np.int64(_cttz64(m))
             m &= m - one
@@ -274,22 +292,13 @@ def diff_encode_flat(src, snap, fused_cast, width, gaps, planes):  # pragma: no 
             h = buf[i]
             o = snap[j]
             snap[j] = h
-            gap = np.uint64(j - prev - 1)
+            start = g
+            g = _put_varint(gaps, g, np.uint64(j - prev - 1))
             if k == 0:
                 first_pos = j
-            prev = j
-            start = g
-            while gap >= np.uint64(0x80):
-                gaps[g] = np.uint8((gap & np.uint64(0x7F)) | np.uint64(0x80))
-                gap >>= np.uint64(7)
-                g += 1
-            gaps[g] = np.uint8(gap)
-            g += 1
-            if k == 0:
                 first_len = g - start
-            z = _zigzag(h, o, width)
-            for bb in range(width):
-                planes[bb, k] = np.uint8((z >> np.uint64(8 * bb)) & np.uint64(0xFF))
+            prev = j
+            _put_code(planes, k, _zigzag(h, o, width), width)
             k += 1
     return k, g, first_len, first_pos, prev
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import ClosedResourceError, EndOfStream, PeerTimeoutError
+from ..errors import ClosedResourceError, EndOfStream, PeerTimeoutError, WouldBlock
 from .base import Transport, payload_nbytes
 
 
@@ -38,31 +39,24 @@ class InProcTransport(Transport):
     stats: TransportStats = field(default_factory=TransportStats)
 
     async def send(self, payload: Any) -> None:
-        try:
-            with anyio.fail_after(self.timeout):
-                await self._tx.send(payload)
-        except TimeoutError as exc:
-            raise PeerTimeoutError(f"send timed out after {self.timeout}s: the peer is not receiving") from exc
-        except anyio.BrokenResourceError as exc:
-            raise EndOfStream("the peer closed its end of the channel") from exc
-        except anyio.ClosedResourceError as exc:
-            raise ClosedResourceError("send on a closed channel") from exc
-        self.stats.messages_sent += 1
-        if self.count_bytes:
-            self.stats.bytes_sent += payload_nbytes(payload)
+        with _send_errors():
+            try:
+                with anyio.fail_after(self.timeout):
+                    await self._tx.send(payload)
+            except TimeoutError as exc:
+                raise PeerTimeoutError(f"send timed out after {self.timeout}s: the peer is not receiving") from exc
+        self._count_sent(payload)
 
     def send_nowait(self, payload: Any) -> None:
         """Send without waiting; raises :class:`aiosync.errors.WouldBlock` if the buffer is full."""
-        from ..errors import WouldBlock
+        with _send_errors():
+            try:
+                self._tx.send_nowait(payload)
+            except anyio.WouldBlock as exc:
+                raise WouldBlock("the channel buffer is full") from exc
+        self._count_sent(payload)
 
-        try:
-            self._tx.send_nowait(payload)
-        except anyio.WouldBlock as exc:
-            raise WouldBlock("the channel buffer is full") from exc
-        except anyio.BrokenResourceError as exc:
-            raise EndOfStream("the peer closed its end of the channel") from exc
-        except anyio.ClosedResourceError as exc:
-            raise ClosedResourceError("send on a closed channel") from exc
+    def _count_sent(self, payload: Any) -> None:
         self.stats.messages_sent += 1
         if self.count_bytes:
             self.stats.bytes_sent += payload_nbytes(payload)
@@ -90,6 +84,17 @@ class InProcTransport(Transport):
         """Close both directions of this end without waiting."""
         self._tx.close()
         self._rx.close()
+
+
+@contextmanager
+def _send_errors():
+    """Translate anyio's stream errors on send into aiosync's."""
+    try:
+        yield
+    except anyio.BrokenResourceError as exc:
+        raise EndOfStream("the peer closed its end of the channel") from exc
+    except anyio.ClosedResourceError as exc:
+        raise ClosedResourceError("send on a closed channel") from exc
 
 
 def inproc_pair(
