@@ -10,16 +10,18 @@ from .aio import AwaitableEvent, run_sync, wait_event
 from .configs import load_config
 from .coordination import (ExplorerHandle, FilterResult, LatestSlot, Lease, LoopLagMonitor, PolicySlot, RunningStatus,
                            StalenessFilter, Synchronizer, SynchronizerConfig, SyncMethod, SyncStyle, TrainerHandle)
-from .errors import (AiosyncError, ApplyError, ClosedResourceError, CodecUnavailableError, ConfigError,
+from .errors import (AiosyncError, ApplyError, ChecksumError, ClosedResourceError, CodecUnavailableError, ConfigError,
                      EndOfStream, HandshakeError, PatchChainError, PayloadError, PeerTimeoutError,
                      StateTransitionError, TransportError, VersionError, WouldBlock)
+from .coordination.remote import CheckpointFollower, RemoteExplorer
 from .runners import ExplorerLoop, TrainerLoop
 from .syncers import (BucketWeightSyncer, CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch,
                       WeightSyncer, WeightSyncerConfig, as_coo_2d_view, collect_param_names_need_sync, delta_decode,
                       delta_encode, downscale_nonnegative_indices, iter_named_tensor_buckets)
 from .transports.checkpoint import CheckpointDir
+from .transports.distributed import DistributedTransport, WeightSyncGroup, gather_full_state, register_message
 from .transports.inproc import InProcTransport, inproc_pair
-from .transports.simulated import SimulatedTransport, simulated_pair
+from .transports.simulated import FaultProfile, SimulatedTransport, simulated_pair
 
 __version__ = "0.1.0"
 
@@ -31,7 +33,8 @@ __all__ = [
     "RunningStatus", "PolicySlot", "Lease", "LatestSlot", "StalenessFilter", "FilterResult", "LoopLagMonitor",
     "TrainerLoop", "ExplorerLoop", "SimulatedTransport", "simulated_pair", "CheckpointDir",
     "InProcTransport", "inproc_pair", "load_config", "AwaitableEvent", "wait_event", "run_sync",
-    "AiosyncError", "ApplyError", "ClosedResourceError", "CodecUnavailableError", "ConfigError", "EndOfStream",
+    "RemoteExplorer", "CheckpointFollower", "DistributedTransport", "WeightSyncGroup", "register_message",
+    "gather_full_state", "FaultProfile", "ChecksumError", "AiosyncError", "ApplyError", "ClosedResourceError", "CodecUnavailableError", "ConfigError", "EndOfStream",
     "HandshakeError", "PatchChainError", "PayloadError", "PeerTimeoutError", "StateTransitionError", "TransportError",
     "VersionError", "WouldBlock",
 ]

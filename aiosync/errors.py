@@ -33,6 +33,12 @@ class PatchChainError(PayloadError):
         self.receiver_version = receiver_version
 
 
+class ChecksumError(PayloadError):
+    """Weights written from a payload do not match the checksums the sender computed: the
+    payload was corrupted on the way or the receiver's weights had drifted. What was written
+    has been rolled back."""
+
+
 class VersionError(AiosyncError, ValueError):
     """A version did not strictly increase."""
 

@@ -58,9 +58,12 @@ def test_cli_writes_the_json_report(tmp_path, capsys):
     assert "final_bit_exact" in printed and "torn_reads" in printed
 
 
-def test_faults_scenario_is_reserved(capsys):
-    assert main(["simulate", "--scenario", "faults"]) == 2
-    assert "faults" in capsys.readouterr().err
+def test_unknown_scenario_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--scenario", "nonsense"])
+    assert info.value.code == 2
+    with pytest.raises(ValueError, match="unknown scenario"):
+        simulate("nonsense")
 
 
 def test_toy_policy_versions_are_recognisable():

@@ -11,7 +11,12 @@ Scenarios:
 * ``default`` — fast link, FIXED style, blocking syncs after every step.
 * ``slow`` — a transport ten times slower than a train step, patch sync with
   ``sync_weight_no_wait`` (trainer-driven): coalescing keeps the trainer at full speed.
-* ``faults`` — reserved (injected failures; added with the reliability work).
+* ``faults`` — every kind of fault at once: the links drop, delay, duplicate, reorder,
+  corrupt and truncate messages and sometimes hang (the sender's delivery timeout then cancels
+  it in the middle of a sync), and the explorers' applies sometimes raise half way. Checksums
+  are on. Every rollout still checks its weights bit for bit against the version it was
+  stamped with; the faults stop with the training, the synchronizer drains, and every explorer
+  must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -19,9 +24,13 @@ Prints a summary and, with ``--json PATH``, writes the full report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
+import random
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +41,11 @@ import torch
 from ..aio import run_sync
 from ..coordination import Synchronizer
 from ..coordination.metrics import percentile
-from ..transports.simulated import simulated_pair
+from ..errors import PeerTimeoutError
+from ..syncers.bucket import BucketWeightSyncer
+from ..syncers.config import WeightSyncerConfig
+from ..syncers.patch import PatchWeightSyncer
+from ..transports.simulated import FaultProfile, simulated_pair
 
 
 @dataclass
@@ -52,14 +65,100 @@ class Scenario:
     no_wait: bool = False
     syncer: str = "patch"
     receiver_dtype: str = "bfloat16"
+    #: faults the links inject while the trainer runs (``None``: none)
+    faults: FaultProfile | None = None
+    #: probability that an explorer's apply raises half way through writing
+    apply_failure_rate: float = 0.0
+    verify_checksums: bool = False
+    sync_timeout: float = 30.0
+    delivery_timeout: float = 60.0
+    #: run the trainer for this many minutes instead of ``steps`` steps (a soak)
+    minutes: float | None = None
 
+
+# Rates per message; each explorer's link carries ~4 messages per version in each direction.
+FAULTS = FaultProfile(fail=0.01, drop=0.02, delay=0.1, delay_max=0.3, duplicate=0.03, reorder=0.05, reorder_max=0.03,
+                      corrupt=0.03, truncate=0.03, stall=0.01, stall_s=1.0)
 
 SCENARIOS = {
     "default": Scenario("default"),
     # Transport latency = 10 x the train step; patch sync in the background, trainer-driven.
     "slow": Scenario("slow", steps=100, step_time=0.05, explore_time=0.02, latency=0.5, bandwidth=1e8,
                      jitter=0.01, style="trainer_driven", no_wait=True),
+    # Everything that can go wrong, at once; the delivery timeout is short so repairs are quick.
+    "faults": Scenario("faults", steps=600, step_time=0.01, explore_time=0.004, latency=0.002, bandwidth=1e9,
+                       jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
+                       verify_checksums=True, sync_timeout=2.0, delivery_timeout=0.5),
 }
+
+
+# ------------------------------------------------------------------ receivers that fail
+
+class ApplyFaults:
+    """Decides, from a seeded RNG, when an explorer's apply raises half way (thread-safe)."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate = rate
+        self.enabled = False
+        self.fired = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def fire(self) -> bool:
+        with self._lock:
+            if self.enabled and self.rate and self._rng.random() < self.rate:
+                self.fired += 1
+                return True
+            return False
+
+
+class FlakyPatchSyncer(PatchWeightSyncer):
+    """A patch syncer whose apply may raise after writing half of the patch's tensors.
+
+    It keeps a journal of its writes (``journal_writes``), as any receiver whose writes can
+    fail must, so the half-written patch is rolled back and the version stays.
+    """
+
+    journal_writes = True
+    faults: ApplyFaults | None = None
+
+    def _write_tensors(self, decoded, tensors, fast, done, journal) -> None:
+        if self.faults is not None and self.faults.fire():
+            half = max(1, len(decoded) // 2)
+            super()._write_tensors(decoded[:half], tensors[:half], fast[:half], done, journal)
+            raise RuntimeError(f"injected fault: the apply raised after writing {half} of {len(decoded)} tensors")
+        super()._write_tensors(decoded, tensors, fast, done, journal)
+
+
+class FlakyBucketSyncer(BucketWeightSyncer):
+    """A bucket syncer whose apply may raise after loading half of a bucket (the PolicySlot's
+    backup restores the model)."""
+
+    faults: ApplyFaults | None = None
+
+    def _load(self, target, tensors) -> None:
+        if self.faults is not None and self.faults.fire():
+            items = list(tensors.items())
+            super()._load(target, dict(items[: len(items) // 2]))
+            raise RuntimeError("injected fault: the apply raised half way through a bucket")
+        super()._load(target, tensors)
+
+
+def flaky_syncer_factory(weight_syncer: Any, faults: ApplyFaults):
+    """A zero-argument factory (for :class:`Synchronizer`) of syncers built from the
+    ``weight_syncer`` config whose applies fail as ``faults`` decides."""
+    cfg = WeightSyncerConfig.from_any(weight_syncer)
+    comm = dict(use_ring_sync=cfg.use_ring_sync, nccl_max_ctas=cfg.nccl_max_ctas, nccl_min_ctas=cfg.nccl_min_ctas)
+
+    def make():
+        if cfg.type == "patch":
+            syncer = FlakyPatchSyncer.from_config(cfg.patch, **comm)
+        else:
+            syncer = FlakyBucketSyncer.from_config(cfg.bucket, **comm)
+        syncer.faults = faults
+        return syncer
+
+    return make
 
 
 # ------------------------------------------------------------------ the toy policy
@@ -119,6 +218,26 @@ async def _baseline(policy: ToyPolicy, sc: Scenario) -> list[float]:
     return times
 
 
+async def _warm_up(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
+    """One syncer round trip on the toy policy, so that the numba kernels are compiled before
+    short delivery timeouts start counting (the faults scenario)."""
+    from ..syncers.base import WeightSyncer
+    from ..transports.inproc import inproc_pair
+
+    make = syncer if callable(syncer) else (lambda: WeightSyncer.create(syncer))
+    sender, receiver = make(), make()
+    a, b = inproc_pair(timeout=120)
+    src = policy.weights(0)
+    dst = {k: torch.zeros_like(v, dtype=recv_dtype if v.is_floating_point() else v.dtype) for k, v in src.items()}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.init_sender, src, None, a.send, a.recv)
+        await receiver.init_receiver(dst, b.recv, b.send)
+    for version in (1, 2):
+        src = policy.weights(version)
+        await sender.sync(src, a.send, version)
+        await receiver.apply(dst, b.recv)
+
+
 async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]:
     policy = ToyPolicy(seed)
     baseline = await _baseline(policy, sc)
@@ -128,25 +247,43 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     link = dict(latency=sc.latency, bandwidth=sc.bandwidth, jitter=sc.jitter)
     seeds = iter(range(seed * 1000, seed * 1000 + 2 * 64, 2))
     config = dict(method=sc.method, style=sc.style, sync_interval=sc.sync_interval,
-                  sync_weight_no_wait=sc.no_wait, sync_timeout=30.0, delivery_timeout=60.0)
+                  sync_weight_no_wait=sc.no_wait, sync_timeout=sc.sync_timeout, delivery_timeout=sc.delivery_timeout)
     tmp = None
     if sc.method == "checkpoint":
         tmp = tempfile.TemporaryDirectory(prefix="aiosync-sim-")
         config["checkpoint_dir"] = tmp.name
     if sc.syncer == "patch":
-        syncer = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd",
-                                             "init_sync": {"enabled": True}}}
+        syncer: Any = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd",
+                                                  "verify_checksums": sc.verify_checksums,
+                                                  "init_sync": {"enabled": True}}}
     else:
-        syncer = {"type": "bucket"}
+        syncer = {"type": "bucket", "bucket": {"bucket_size": 1 << 18, "verify_checksums": sc.verify_checksums}}
+    apply_faults = ApplyFaults(sc.apply_failure_rate, seed * 7919 + 1)
+    if sc.apply_failure_rate:
+        syncer = flaky_syncer_factory(syncer, apply_faults)
+    if sc.faults is not None or sc.apply_failure_rate:
+        await _warm_up(policy, syncer, recv_dtype)
+    transports: list = []
+
+    def make_link(name: str):
+        pair = simulated_pair(**link, seed=next(seeds), timeout=max(60.0, 4 * sc.delivery_timeout))
+        transports.extend(pair)
+        return pair
+
+    def set_faults(on: bool) -> None:
+        for t in transports:
+            t.faults = dataclasses.replace(sc.faults) if (on and sc.faults is not None) else None
+        apply_faults.enabled = on
 
     torn = 0
     rollouts = 0
     samples: list[dict[str, int]] = []
     step_times: list[float] = []
     first_sync_s = 0.0
+    sync_timeouts = 0
     trainer_done = anyio.Event()
 
-    sync = Synchronizer(config, syncer, transport_factory=lambda name: simulated_pair(**link, seed=next(seeds)))
+    sync = Synchronizer(config, syncer, transport_factory=make_link)
     async with sync:
         trainer = await sync.attach_trainer(trainer_state)
         explorers = []
@@ -154,6 +291,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
             model = {k: torch.zeros_like(v, dtype=recv_dtype if v.is_floating_point() else v.dtype)
                      for k, v in trainer_state.items()}
             explorers.append(await sync.attach_explorer(f"explorer{i}", model))
+        set_faults(True)  # attached (the first sync always succeeds or raises): now things go wrong
 
         async def explorer_loop(ex) -> None:
             nonlocal torn, rollouts
@@ -169,13 +307,19 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
             await ex.stop()
 
         async def trainer_loop() -> None:
-            nonlocal first_sync_s
+            nonlocal first_sync_s, sync_timeouts
+            deadline = None if sc.minutes is None else time.monotonic() + 60.0 * sc.minutes
             try:
-                for step in range(1, sc.steps + 1):
+                step = 0
+                while (step < sc.steps) if deadline is None else (time.monotonic() < deadline):
+                    step += 1
                     t0 = time.perf_counter()
                     await run_sync(policy.write, trainer_state, step)
                     await anyio.sleep(sc.step_time)
-                    await trainer.step_done()
+                    try:
+                        await trainer.step_done()
+                    except PeerTimeoutError:
+                        sync_timeouts += 1  # a blocking sync outlived its bound under faults; the next one repairs
                     step_times.append(time.perf_counter() - t0)
                     if step == 1:
                         first_sync_s = step_times[0] - baseline[0]
@@ -183,6 +327,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
                             sync.loop_lag.reset()  # JIT warm-up and the blocking first sync are done
                     batch, samples[:] = list(samples), []
                     trainer.filter_stale(batch)
+                set_faults(False)  # the network heals; the drain on exit must repair every explorer
                 await trainer.stop()
             finally:
                 trainer_done.set()
@@ -195,12 +340,18 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     # Leaving the block drained the synchronizer: check what every explorer holds.
     final = trainer.version
     expected = policy.weights(final)
-    bit_exact = all(
-        all(torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype)) for k, v in expected.items())
-        and ex.version == final
-        for ex in explorers
-    )
+    final_state = {ex.name: {"version": ex.version,
+                             "differs": [k for k, v in expected.items()
+                                         if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
+                   for ex in explorers}
+    bit_exact = all(st["version"] == final and not st["differs"] for st in final_state.values())
     metrics = sync.metrics()
+    faults_by_kind: dict[str, int] = {"fail": 0}
+    for t in transports:
+        for kind, n in t.stats.faults.items():
+            faults_by_kind[kind] = faults_by_kind.get(kind, 0) + n
+        faults_by_kind["fail"] += t.stats.failures_injected
+    faults_by_kind["apply_raised"] = apply_faults.fired
     if tmp is not None:
         tmp.cleanup()
     # Steady state: the first step holds the always-blocking first sync.
@@ -210,7 +361,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     return {
         "scenario": sc.name,
         "explorers": n_explorers,
-        "steps": sc.steps,
+        "steps": trainer.step,
         "requests": metrics["totals"]["requests"],
         "delivered": metrics["totals"]["delivered"],
         "coalesced": metrics["totals"]["coalesced"],
@@ -218,6 +369,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "versions_applied": {ex.name: list(ex.link.stats.versions_applied) for ex in explorers},
         "final_version": final,
         "final_bit_exact": bit_exact,
+        "final_state": final_state,
         "torn_reads": torn,
         "rollouts": rollouts,
         "trainer_step_ratio": ratio,
@@ -231,12 +383,19 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "bytes_sent": metrics["totals"]["bytes_sent"],
         "changed_elements": metrics["totals"]["changed_elements"],
         "failed": metrics["totals"]["failed"],
+        "faults_injected": sum(faults_by_kind.values()),
+        "faults": faults_by_kind,
+        "repairs": sum(ex.link.stats.repairs for ex in explorers),
+        "sync_timeouts": sync_timeouts,
+        "minutes": sc.minutes,
         "staleness": metrics["staleness"],
         "transport": {"latency_s": sc.latency, "bandwidth_Bps": sc.bandwidth, "jitter_s": sc.jitter},
         "config": metrics["config"],
         "syncer": sc.syncer,
         "per_explorer": {name: {k: m[k] for k in ("requests", "coalesced", "delivered", "failed", "reinits",
                                                   "bytes_sent", "timeouts")} | {
+                             "repairs": sync.explorers[name].link.stats.repairs,
+                             "last_error": m["last_error"],
                              "apply_ms_mean": m["apply_s"]["mean"] * 1e3,
                              "build_ms_mean": m["build_s"]["mean"] * 1e3,
                              "transfer_ms_mean": m["transfer_s"]["mean"] * 1e3}
@@ -248,8 +407,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}"
-                         + (" (faults comes with the reliability work)" if scenario == "faults" else ""))
+        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
     base = SCENARIOS[scenario]
     sc = Scenario(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if steps is not None:
@@ -257,13 +415,23 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
     if explorers < 1:
         raise ValueError("--explorers must be at least 1")
     backend_options = {"use_uvloop": True} if loop == "uvloop" else {}
-    return anyio.run(_simulate, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
+    logger = logging.getLogger("aiosync")
+    level = logger.level
+    if sc.faults is not None or sc.apply_failure_rate:
+        logger.setLevel(logging.ERROR)  # one warning per injected fault: the report counts them instead
+    t0 = time.perf_counter()
+    try:
+        report = anyio.run(_simulate, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
+    finally:
+        logger.setLevel(level)
+    report["wall_s"] = time.perf_counter() - t0
+    return report
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "faults"]))
+    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
     p.add_argument("--explorers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -274,6 +442,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--wait", dest="no_wait", action="store_false", help="blocking syncs")
     p.add_argument("--latency", type=float, default=None, help="seconds, one way")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes per second")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="run the trainer this many minutes instead of --steps steps (a soak; e.g. with --scenario faults)")
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", default=None, help="write the report here")
@@ -284,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
                           method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                          latency=args.latency, bandwidth=args.bandwidth)
+                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
@@ -293,10 +463,15 @@ def run(args: argparse.Namespace) -> int:
             json.dump(report, fh, indent=2)
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "trainer_step_ratio", "loop_lag_p99_ms", "loop_lag_max_ms"]
+    if report["faults_injected"] or report["scenario"] == "faults":
+        keys += ["faults_injected", "repairs", "failed"]
     width = max(map(len, keys))
     for k in keys:
         v = report[k]
         print(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if report["faults_injected"]:
+        shown = ", ".join(f"{k} {v}" for k, v in report["faults"].items() if v)
+        print(f"{'faults':<{width}}  {shown}")
     for name, versions in report["versions_applied"].items():
         shown = versions if len(versions) <= 12 else versions[:5] + ["..."] + versions[-5:]
         print(f"{'versions ' + name:<{width}}  {shown}")

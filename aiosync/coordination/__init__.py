@@ -10,7 +10,9 @@ Typical use (see ``docs/api.md``)::
 
 from .config import SynchronizerConfig
 from .link import Ack, Packet, Reinit
+from .fanout import FanOut
 from .metrics import LoopLagMonitor, RunningStat, flatten, log_metrics
+from .remote import CheckpointFollower, RemoteExplorer, RemoteExplorerHandle
 from .slots import LatestSlot, Lease, PolicySlot
 from .staleness import FilterResult, StalenessFilter, version_of
 from .states import ALLOWED_TRANSITIONS, RunningStatus, StatusCell, check_transition
@@ -25,4 +27,5 @@ __all__ = [
     "StalenessFilter", "FilterResult", "version_of",
     "LoopLagMonitor", "RunningStat", "log_metrics", "flatten",
     "Packet", "Reinit", "Ack",
+    "RemoteExplorer", "RemoteExplorerHandle", "CheckpointFollower", "FanOut",
 ]

@@ -39,8 +39,10 @@ from ..errors import (
     PeerTimeoutError,
 )
 from ..syncers.base import WeightSyncer
+from ..syncers.payloads import ReceiverMetadata
 from ..syncers.selection import module_state_dict
 from ..transports.base import Transport, payload_nbytes
+from .fanout import receiver_key, restamp as _restamp
 from .metrics import RunningStat
 from .slots import LatestSlot, PolicySlot
 
@@ -65,6 +67,9 @@ class Reinit:
 
     version: int
     bootstrap: bool
+    #: Id of this init conversation (per link): the explorer's Ack echoes it, so a late answer
+    #: to an abandoned conversation is never taken for the answer to this one.
+    conv: int = 0
 
 
 @dataclass(eq=False)
@@ -73,6 +78,7 @@ class Abort:
 
     version: int
     reason: str
+    conv: int = 0
 
 
 @dataclass(eq=False)
@@ -83,6 +89,8 @@ class Ack:
     applied: int | None
     error: str | None = None
     apply_s: float = 0.0
+    #: The :attr:`Reinit.conv` this answers; ``None`` for the answer to a plain Packet.
+    conv: int | None = None
 
 
 @dataclass
@@ -115,6 +123,10 @@ class LinkStats:
     timeouts: int = 0
     up_to_date: int = 0
     reinits: int = 0
+    #: Deliveries whose payload was built once for several explorers (fan-out, S12) by another link.
+    shared: int = 0
+    #: Re-bootstraps that delivered after a failure (the patch chain repaired).
+    repairs: int = 0
     bytes_sent: int = 0
     changed_elements: int = 0
     build_s: RunningStat = field(default_factory=RunningStat)
@@ -150,7 +162,14 @@ class SenderLink:
     bootstrap_first: bool = False
     closed: bool = False
     sender: WeightSyncer | None = None
+    #: Fan-out (S12): the synchronizer's :class:`~aiosync.coordination.fanout.FanOut` (``None``:
+    #: this link builds every payload itself) and the lineage whose packets it delivers.
+    fanout: Any = None
+    lineage: Any = None
+    #: The receiver metadata of the last init conversation (the fan-out key; its ``session``).
+    receiver_meta: Any = None
     _reinit_version: int | None = field(default=None, repr=False)
+    _conv: int = field(default=0, repr=False)
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
 
     # -- state -------------------------------------------------------------------------
@@ -236,6 +255,8 @@ class SenderLink:
     def close(self) -> None:
         """No more requests; the task ends after the pending one (if any) was served."""
         self.pending.close()
+        if self.fanout is not None:
+            self.fanout.leave(self)
 
     async def _serve(self, req: Request) -> str:
         async with self.source.borrow(self, req.fresh_after, req.deadline) as pub:
@@ -248,9 +269,43 @@ class SenderLink:
                 self.stats.up_to_date += 1
                 return "up_to_date"
             with anyio.fail_after(self.delivery_timeout):
-                packet, reinit = await self._build(pub)
+                shared = await self._shared_packets(pub)
+                if shared is None:
+                    packet, reinit = await self._build(pub)
         # The weights were handed off: the trainer may move on (NCCL window released).
+        if shared is not None:
+            return await self._transfer_shared(shared)
         return await self._transfer(packet, reinit)
+
+    async def _shared_packets(self, pub) -> list | None:
+        """Fan-out (S12): the packets built once for every explorer at this one's version, or
+        ``None`` when this link builds itself (no fan-out, a re-bootstrap is due, or no lineage
+        reaches the explorer's version any more: then it is re-bootstrapped)."""
+        if self.fanout is None or self.needs_reinit or self.lineage is None:
+            return None
+        got = await self.fanout.packets(self, pub)
+        if got is None:
+            self.fanout.leave(self)
+            self.needs_reinit = True
+            return None
+        chain, built_here = got
+        if built_here:
+            self.stats.build_s.add(chain[-1].build_s)
+        elif chain:
+            self.stats.shared += 1
+        return chain
+
+    async def _transfer_shared(self, chain: list) -> str:
+        if not chain:
+            self.stats.up_to_date += 1
+            return "up_to_date"
+        outcome = "failed"
+        for built in chain:
+            packet = _restamp(built.packet, getattr(self.receiver_meta, "session", None))
+            outcome = await self._transfer(packet, False, built)
+            if outcome != "delivered":
+                break
+        return outcome
 
     async def _build(self, pub) -> tuple[Packet, bool]:
         reinit = self.needs_reinit
@@ -258,13 +313,15 @@ class SenderLink:
             bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
             sender = self.make_syncer(bootstrap)
             self._reinit_version = pub.version
-            await self.transport.send(Reinit(pub.version, bootstrap))
+            self._conv += 1
+            self.receiver_meta = None
+            await self.transport.send(Reinit(pub.version, bootstrap, self._conv))
             try:
                 await sender.init_sender(pub.state, self.names, self.transport.send, self._recv_payload)
             except BaseException as exc:
                 with anyio.move_on_after(5, shield=True):
                     try:
-                        await self.transport.send(Abort(pub.version, f"{type(exc).__name__}: {exc}"))
+                        await self.transport.send(Abort(pub.version, f"{type(exc).__name__}: {exc}", self._conv))
                     except Exception:
                         pass
                 raise
@@ -279,19 +336,23 @@ class SenderLink:
 
         t0 = time.perf_counter()
         await self.sender.sync(pub.state, collect, pub.version)
-        self.stats.build_s.add(time.perf_counter() - t0)
-        return Packet(pub.version, payloads), reinit
+        build_s = time.perf_counter() - t0
+        self.stats.build_s.add(build_s)
+        packet = Packet(pub.version, payloads)
+        if reinit and self.fanout is not None:
+            self.fanout.adopt(self, self.sender, receiver_key(self.receiver_meta), packet, build_s)
+        return packet, reinit
 
-    async def _transfer(self, packet: Packet, reinit: bool) -> str:
+    async def _transfer(self, packet: Packet, reinit: bool, built: Any = None) -> str:
         # From here until the Ack, the sender's state (e.g. a patch snapshot) is ahead of the
         # explorer; any failure means the next delivery must re-bootstrap.
         self.needs_reinit = True
         t0 = time.perf_counter()
         with anyio.fail_after(self.delivery_timeout):
             await self.transport.send(packet)
-            ack = await self._recv_ack(packet.version)
+            ack = await self._recv_ack(packet.version, self._conv if reinit else None)
         elapsed = time.perf_counter() - t0
-        nbytes = payload_nbytes(packet.payloads)
+        nbytes = built.nbytes if built is not None else payload_nbytes(packet.payloads)
         if ack.applied is not None:
             self.applied_version = ack.applied
         if ack.error is not None:
@@ -300,9 +361,14 @@ class SenderLink:
             log.warning("aiosync: %s could not apply version %d: %s", self.name, packet.version, ack.error)
             return "failed"
         self.needs_reinit = False
+        if reinit and self.stats.delivered:
+            self.stats.repairs += 1
         self.stats.delivered += 1
         self.stats.bytes_sent += nbytes
-        changed = (self.sender.last_stats or {}).get("changed") if self.sender is not None else None
+        if built is not None:
+            changed = built.changed
+        else:
+            changed = (self.sender.last_stats or {}).get("changed") if self.sender is not None else None
         if isinstance(changed, int):
             self.stats.changed_elements += changed
         self.stats.apply_s.add(ack.apply_s)
@@ -319,15 +385,17 @@ class SenderLink:
         """Receive for the syncer's init conversation, skipping late Acks."""
         while True:
             msg = await self.transport.recv()
+            if isinstance(msg, ReceiverMetadata) and self.receiver_meta is None:
+                self.receiver_meta = msg  # what the fan-out lineages are keyed on
             if not isinstance(msg, Ack):
                 return msg
-            if msg.version == self._reinit_version and msg.error is not None:
+            if msg.conv == self._conv and msg.error is not None:
                 raise PayloadError(f"{self.name} failed its side of the init conversation: {msg.error}")
 
-    async def _recv_ack(self, version: int) -> Ack:
+    async def _recv_ack(self, version: int, conv: int | None = None) -> Ack:
         while True:
             msg = await self.transport.recv()
-            if isinstance(msg, Ack) and msg.version == version:
+            if isinstance(msg, Ack) and msg.version == version and msg.conv == conv:
                 return msg
             # A late Ack of an earlier, timed-out delivery, or stray traffic: skip it.
 
@@ -350,17 +418,25 @@ class ReceiverEndpoint:
     timeout: float = 600.0
     receiver: WeightSyncer | None = None
     applying: bool = False
+    #: A Reinit that arrived in the middle of an init conversation: handled next.
+    _next: Any = field(default=None, repr=False)
+    #: The conversation in progress (:attr:`Reinit.conv`).
+    _conv: int | None = field(default=None, repr=False)
 
     async def run(self) -> None:
         while True:
-            try:
-                msg = await self.transport.recv()
-            except PeerTimeoutError:
-                continue  # idle: nothing to apply
-            except (EndOfStream, ClosedResourceError):
-                return
+            if self._next is not None:
+                msg, self._next = self._next, None
+            else:
+                try:
+                    msg = await self.transport.recv()
+                except PeerTimeoutError:
+                    continue  # idle: nothing to apply
+                except (EndOfStream, ClosedResourceError):
+                    return
             if isinstance(msg, Reinit):
                 ack = await self._handle(msg.version, lambda model: self._reinit(model, msg), None, allow_same=True)
+                ack.conv = msg.conv
             elif isinstance(msg, Packet):
                 # A syncer whose apply is all-or-nothing (supports_no_wait) needs no slot backup.
                 atomic = self.receiver is not None and self.receiver.supports_no_wait
@@ -392,14 +468,28 @@ class ReceiverEndpoint:
             self.applying = False
 
     async def _conversation_recv(self) -> Any:
-        msg = await self.transport.recv()
-        if isinstance(msg, Abort):
-            raise PayloadError(f"the synchronizer aborted the bootstrap of version {msg.version}: {msg.reason}")
-        return msg
+        while True:
+            msg = await self.transport.recv()
+            if isinstance(msg, Abort):
+                if msg.conv != self._conv:
+                    continue  # a late Abort of an earlier conversation
+                raise PayloadError(f"the synchronizer aborted the bootstrap of version {msg.version}: {msg.reason}")
+            if isinstance(msg, Reinit):
+                # The synchronizer started over (it gave up waiting for this one): abandon this
+                # conversation (rolled back) and take the new one next.
+                self._next = msg
+                raise PayloadError(f"the synchronizer restarted the bootstrap (version {msg.version}); "
+                                   "this one was abandoned")
+            return msg
 
     async def _apply_packet(self, model: Any, receiver: WeightSyncer | None, packet: Packet) -> int:
         if receiver is None:
             raise PayloadError("received weights before the syncer pair was initialised")
+        expected = getattr(receiver, "payloads_per_sync", None)
+        if expected is not None and len(packet.payloads) != expected:
+            # An all-or-nothing apply must not fail after it wrote: refuse up front.
+            raise PayloadError(f"sync packet of version {packet.version} holds {len(packet.payloads)} payloads, "
+                               f"expected {expected} (truncated or duplicated)")
         payloads = iter(packet.payloads)
         used = 0
 
@@ -423,11 +513,16 @@ class ReceiverEndpoint:
         return version
 
     async def _reinit(self, model: Any, msg: Reinit) -> int:
+        self._conv = msg.conv
         receiver = self.make_syncer(msg.bootstrap)
         await receiver.init_receiver(module_state_dict(model), self._conversation_recv, self.transport.send)
-        packet = await self._conversation_recv()
-        if not isinstance(packet, Packet):
-            raise PayloadError(f"expected the first Packet after the init conversation, got {type(packet).__name__}")
+        while True:
+            packet = await self._conversation_recv()
+            if isinstance(packet, Packet) and packet.version == msg.version:
+                break
+            # A late message of an earlier conversation or delivery (a duplicate, a reordered one):
+            # this conversation's Packet is the next thing the synchronizer sends.
+            log.debug("aiosync: %s skipped a stale %s after its init conversation", self.name, type(packet).__name__)
         version = await self._apply_packet(model, receiver, packet)
         self.receiver = receiver
         return version

@@ -60,6 +60,9 @@ class _SourceBase:
     waiting: set = field(default_factory=set)
     trainer_stopped: bool = False
     publish_s: float = 0.0
+    #: ``callback(event, version)`` for ``published``, ``window_open``, ``window_closed`` and
+    #: ``trainer_stopped`` (remote explorers are told through these). Must not block.
+    listeners: list = field(default_factory=list)
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
 
     def _notify(self, link: Any = None) -> None:
@@ -68,10 +71,15 @@ class _SourceBase:
         if link is not None and hasattr(link, "_notify"):
             link._notify()  # its "settled" state changed
 
+    def _emit(self, event: str, version: int | None) -> None:
+        for listener in list(self.listeners):
+            listener(event, version)
+
     def stop(self) -> None:
         """The trainer stopped: waiting links get the newest publish at once."""
         self.trainer_stopped = True
         self._notify()
+        self._emit("trainer_stopped", None if self.latest is None else self.latest.version)
 
     def announce(self) -> None:
         """Re-offer the newest publish as fresh: the trainer's weights did not change since, so
@@ -116,6 +124,7 @@ class MemorySource(_SourceBase):
         self.seq += 1
         self.latest = Published(version, state, self.seq)
         self._notify()
+        self._emit("published", version)
         return self.latest
 
     @contextlib.asynccontextmanager
@@ -145,6 +154,7 @@ class CheckpointSource(_SourceBase):
         self.seq += 1
         self.latest = Published(version, {}, self.seq)  # tensors are loaded on demand
         self._notify()
+        self._emit("published", version)
         return self.latest
 
     async def load_newest(self) -> Published | None:
@@ -189,11 +199,13 @@ class DirectSource(_SourceBase):
         self.latest = Published(version, live, self.seq)
         self.window = Window(self.latest)
         self._notify()
+        self._emit("window_open", version)
         return self.window
 
     def close_window(self) -> None:
         self.window = None
         self._notify()
+        self._emit("window_closed", None if self.latest is None else self.latest.version)
 
     async def wait_window_done(self, window: Window, expected: set, deadline: float) -> set:
         """Wait until every link in ``expected`` joined ``window`` and no build is running;

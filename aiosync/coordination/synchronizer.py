@@ -19,6 +19,7 @@ The trainer and explorer loops stay yours (S1): they call :meth:`TrainerHandle.n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -35,6 +36,7 @@ from ..transports.base import Transport
 from ..transports.checkpoint import CheckpointDir
 from ..transports.inproc import inproc_pair
 from .config import SynchronizerConfig
+from .fanout import FanOut
 from .link import ReceiverEndpoint, SenderLink, SyncerFactory
 from .metrics import LoopLagMonitor, RunningStat, log_metrics
 from .slots import PolicySlot
@@ -163,7 +165,7 @@ class TrainerHandle:
             await sync._wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
         dt = time.perf_counter() - t0
         self.sync_s.add(dt)
-        failed = [link.name for link, _ in handed if blocking and link.last_outcome == "failed"]
+        failed = [link.name for link, _ in handed if blocking and (link.last_outcome == "failed" or link.closed)]
         return {"version": version, "blocking": blocking, "handed_to": [link.name for link, _ in handed],
                 "failed": failed, "sync_s": dt}
 
@@ -198,7 +200,12 @@ class TrainerHandle:
             wait = cfg.delivery_timeout if pushed else cfg.sync_timeout
             for link in links:
                 if pushed:
-                    handed.append((link, link.request(deadline=time.monotonic() + wait)))
+                    if link in source.waiting and link.in_flight is not None:
+                        # Its request already waits for a window: this one serves it. A pushed
+                        # request would queue behind it and then miss the window.
+                        handed.append((link, link.in_flight.seq))
+                    else:
+                        handed.append((link, link.request(deadline=time.monotonic() + wait)))
                 if link.in_flight is None and (only is not None or (
                         link.active and cfg.style is not SyncStyle.EXPLORER_DRIVEN)):
                     expected.add(link)
@@ -319,22 +326,10 @@ class ExplorerHandle:
         if self.state.status is RunningStatus.STOPPED:
             raise StateTransitionError(f"explorer {self.name}: sync_weight after stop()")
         sync, cfg = self.sync, self.sync.config
-        source = sync.source
         blocking = not cfg.sync_weight_no_wait if wait is None else wait
-        needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
-        if source.trainer_stopped:
-            latest = source.latest
-            if cfg.method is SyncMethod.NCCL or latest is None or (
-                self.slot.version is not None and latest.version <= self.slot.version
-            ):
-                return self.slot.version  # S5: nothing newer will come
-            needs_trainer = False
-        if needs_trainer:
-            deadline = time.monotonic() + cfg.sync_timeout
-            fresh_after = source.seq if cfg.method is not SyncMethod.NCCL else None
-            seq = self.link.request(fresh_after=fresh_after, deadline=deadline)
-        else:
-            seq = self.link.request()
+        seq = sync._explorer_request(self.link, self.slot.version)
+        if seq is None:
+            return self.slot.version  # S5: nothing newer will come
         if blocking:
             await self.link.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         return self.slot.version
@@ -374,7 +369,12 @@ class Synchronizer:
     zero-argument callable returning a fresh :class:`aiosync.syncers.base.WeightSyncer`.
     ``transport_factory(name) -> (synchronizer_end, explorer_end)`` makes each explorer's
     channel (default: in-process, zero copy). ``loop_lag_interval``: period of the event-loop
-    lag ticker in seconds (``None`` disables it).
+    lag ticker in seconds (``None`` disables it). ``fan_out`` (S12, default on): explorers at
+    the same version share one payload built once per version (see
+    :mod:`aiosync.coordination.fanout`); off, every explorer's link builds its own.
+
+    Explorers in other processes attach through :meth:`serve_remote` (see
+    ``docs/distributed.md``).
 
     Invalid combinations (bucket + ``sync_weight_no_wait``, ...) raise
     :class:`aiosync.errors.ConfigError` here, before any sync.
@@ -382,7 +382,7 @@ class Synchronizer:
 
     def __init__(self, config: Any = None, weight_syncer: Any = None, *,
                  transport_factory: TransportFactory | None = None,
-                 loop_lag_interval: float | None = 0.002) -> None:
+                 loop_lag_interval: float | None = 0.002, fan_out: bool = True) -> None:
         self.config = SynchronizerConfig.from_any(config)
         if weight_syncer is None:
             from ..configs import load_config
@@ -390,6 +390,7 @@ class Synchronizer:
             weight_syncer = load_config("weight_syncer/patch_syncer")
         self._make_syncer, probe, self._no_init_bootstrap = _syncer_factory(weight_syncer)
         self.config.check_weight_syncer(probe)
+        self._syncer_config = None if isinstance(probe, WeightSyncer) else probe  # told to remote explorers
         delivery_timeout = self.config.delivery_timeout
         self._transport_factory = transport_factory or (lambda name: inproc_pair(timeout=delivery_timeout))
         if self.config.method is SyncMethod.MEMORY:
@@ -406,6 +407,12 @@ class Synchronizer:
         self._transports: list[Transport] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self._drained = False
+        #: S12: payloads built once per version and shared by explorers at the same version.
+        self.fanout: FanOut | None = FanOut() if fan_out else None
+        self._trainer_attached = anyio.Event()
+        self._joined = anyio.Event()
+        self._joining: set[str] = set()  # remote explorers whose first sync is running
+        self._sessions: set[anyio.CancelScope] = set()  # remote sessions (serve_remote)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -428,9 +435,23 @@ class Synchronizer:
                 await self.drain()
                 drained = self._drained
         finally:
+            await self._close_remote(drained, "synchronizer closed" if exc_type is None else f"trainer failed: {exc!r}")
             self._shutdown(cancel=not drained)
             await self._tg.__aexit__(None, None, None)
         return None
+
+    async def _close_remote(self, drained: bool, reason: str) -> None:
+        """End every remote explorer's session (after the drain, they hold the final weights),
+        then stop sessions still waiting for an explorer to say Hello."""
+        remote = [h for h in self.explorers.values() if getattr(h, "remote", False)]
+        if remote:
+            timeout = min(self.config.sync_timeout, 30.0) if drained else 5.0
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for handle in remote:
+                        tg.start_soon(functools.partial(handle.close, reason, timeout=timeout))
+        for scope in list(self._sessions):
+            scope.cancel()
 
     def _shutdown(self, cancel: bool) -> None:
         for handle in self.explorers.values():
@@ -481,6 +502,7 @@ class Synchronizer:
             self.source.live = live
         handle.state.set(RunningStatus.RUNNING)
         self.trainer = handle
+        self._trainer_attached.set()
         return handle
 
     async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> ExplorerHandle:
@@ -503,7 +525,8 @@ class Synchronizer:
         self._transports += [sync_end, explorer_end]
         state = StatusCell(f"explorer {name}")
         link = SenderLink(name, sync_end, self._make_syncer, self.source, self.trainer.names,
-                          self.config.delivery_timeout, on_busy_change=lambda lk: self._on_busy(state, lk))
+                          self.config.delivery_timeout, on_busy_change=lambda lk: self._on_busy(state, lk),
+                          fanout=self.fanout)
         # Patch mode without init_sync trusts the explorer to hold the trainer's weights already
         # (the seed's assumption); only an explorer that declares its version gets that trust.
         link.bootstrap_first = self._no_init_bootstrap and slot.version != self.trainer.version
@@ -526,8 +549,13 @@ class Synchronizer:
         return handle
 
     async def detach_explorer(self, name: str) -> None:
-        """Stop an explorer and close its channel (S12: explorers may also leave)."""
+        """Stop an explorer and close its channel (S12: explorers may also leave). A remote
+        explorer's session is ended (it is told, bounded by ``sync_timeout``)."""
         handle = self.explorers.pop(name)
+        if getattr(handle, "remote", False):
+            await handle.stop()
+            await handle.close("detached", timeout=min(self.config.sync_timeout, 30.0))
+            return
         await handle.stop()
         handle.link.close()
         handle.link.closed = True
@@ -535,6 +563,68 @@ class Synchronizer:
             close = getattr(t, "close", None)
             if close is not None:
                 close()
+
+    # -- remote explorers (other processes) ------------------------------------------------
+
+    def serve_remote(self, transport: Transport) -> None:
+        """Serve an explorer in another process over ``transport`` (e.g.
+        ``WeightSyncGroup.transport(rank)``): it attaches when its
+        :class:`~aiosync.coordination.remote.RemoteExplorer` says Hello — now or later (S12,
+        elastic joins) — is bootstrapped, then gets the same deliveries, coalescing and
+        fan-out as an in-process explorer. Returns at once; the session runs in the background
+        until the synchronizer closes, the explorer leaves, or its process is lost (then
+        ``explorers[name].error`` says why and the others are served on).
+        """
+        from .remote import serve_remote_explorer
+
+        tg = self._require_started()
+        tg.start_soon(serve_remote_explorer, self, transport, name="aiosync-remote-session")
+
+    async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
+        """Wait until at least ``n`` explorers are attached (local or remote); returns their
+        names. :class:`~aiosync.errors.PeerTimeoutError` after ``timeout`` seconds.
+
+        With NCCL, call it from the trainer's task: a joining explorer's first sync reads the
+        trainer's live tensors, so the handshake for it is opened here (at other times, at the
+        trainer's next check point: ``need_sync()`` is true while an explorer waits).
+        """
+        deadline = time.monotonic() + timeout
+        while len(self.explorers) < n and time.monotonic() < deadline:
+            trainer = self.trainer
+            if (self.config.method is SyncMethod.NCCL and trainer is not None and self.source.waiting
+                    and trainer.status is not RunningStatus.STOPPED):
+                await trainer._handshake(trainer.version, True, reopen=True, only=list(self.source.waiting))
+            with anyio.move_on_after(min(0.05, max(0.0, deadline - time.monotonic()))):
+                await self._joined.wait()
+        if len(self.explorers) < n:
+            raise PeerTimeoutError(f"{len(self.explorers)} of {n} explorers attached within {timeout}s")
+        return list(self.explorers)
+
+    def _remote_joined(self) -> None:
+        self._joined.set()
+        self._joined = anyio.Event()
+
+    def _syncer_config_dict(self) -> dict | None:
+        from .._strict import to_plain
+
+        return None if self._syncer_config is None else to_plain(self._syncer_config)
+
+    def _explorer_request(self, link: SenderLink, held: int | None) -> int | None:
+        """Queue an explorer's ask for the newest weights on ``link``; returns the request's seq,
+        or ``None`` when nothing newer can come (the trainer stopped, S5). EXPLORER_DRIVEN and
+        NCCL requests wait for the trainer at most ``sync_timeout``."""
+        cfg, source = self.config, self.source
+        needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
+        if source.trainer_stopped:
+            latest = source.latest
+            if cfg.method is SyncMethod.NCCL or latest is None or (held is not None and latest.version <= held):
+                return None
+            needs_trainer = False
+        if needs_trainer:
+            deadline = time.monotonic() + cfg.sync_timeout
+            fresh_after = source.seq if cfg.method is not SyncMethod.NCCL else None
+            return link.request(fresh_after=fresh_after, deadline=deadline)
+        return link.request()
 
     # -- draining --------------------------------------------------------------------------
 
@@ -553,6 +643,8 @@ class Synchronizer:
         async def drain_one(handle: ExplorerHandle) -> None:
             link = handle.link
             for _ in range(4):
+                if link.closed:
+                    return  # a lost or detached explorer
                 await link.wait_settled(timeout)
                 target = self.source.latest.version if self.source.latest is not None else None
                 if target is None or (not link.needs_reinit and link.applied_version is not None
@@ -566,8 +658,8 @@ class Synchronizer:
             async with anyio.create_task_group() as tg:
                 for handle in list(self.explorers.values()):
                     tg.start_soon(drain_one, handle)
-        self._drained = all(not h.link.busy for h in self.explorers.values())
-        return {name: h.slot.version for name, h in self.explorers.items()}
+        self._drained = all(not h.link.busy or h.link.closed for h in self.explorers.values())
+        return {name: h.version for name, h in self.explorers.items()}
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -589,7 +681,7 @@ class Synchronizer:
     async def _wait_served(self, handed: list[tuple[SenderLink, int]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for link, seq in handed:
-            if not await link.wait_served(seq, max(0.0, deadline - time.monotonic())):
+            if not await link.wait_served(seq, max(0.0, deadline - time.monotonic())) and not link.closed:
                 raise PeerTimeoutError(f"explorer {link.name}: sync not applied within {timeout}s")
 
     # -- metrics ----------------------------------------------------------------------------
@@ -600,9 +692,10 @@ class Synchronizer:
         totals = dict(requests=0, coalesced=0, delivered=0, failed=0, bytes_sent=0, changed_elements=0)
         for name, h in self.explorers.items():
             s, p = h.link.stats, h.link.pending.stats
+            slot = getattr(h, "slot", None)  # None: a remote explorer (its slot is in its process)
             row = {
                 "status": h.status.name,
-                "version": h.slot.version,
+                "version": h.version,
                 "requests": p.puts,
                 "coalesced": p.coalesced,
                 "max_pending": p.max_pending,
@@ -611,18 +704,21 @@ class Synchronizer:
                 "timeouts": s.timeouts,
                 "up_to_date": s.up_to_date,
                 "reinits": s.reinits,
+                "repairs": s.repairs,
+                "shared": s.shared,
                 "bytes_sent": s.bytes_sent,
                 "changed_elements": s.changed_elements,
                 "build_s": s.build_s.as_dict(),
                 "transfer_s": s.transfer_s.as_dict(),
                 "apply_s": s.apply_s.as_dict(),
                 "last_sync": dict(h.link.sender.last_stats) if h.link.sender is not None else {},
-                "lease_wait_s": h.slot.stats.last_lock_wait_s,
-                "leases": h.slot.stats.leases,
+                "lease_wait_s": slot.stats.last_lock_wait_s if slot is not None else None,
+                "leases": slot.stats.leases if slot is not None else None,
                 "last_error": s.last_error,
+                "remote": slot is None,
             }
-            if self.trainer is not None and h.slot.version is not None:
-                row["staleness"] = self.trainer.current_version - h.slot.version
+            if self.trainer is not None and h.version is not None:
+                row["staleness"] = self.trainer.current_version - h.version
             explorers[name] = row
             for key in totals:
                 totals[key] += row[key]
@@ -635,6 +731,8 @@ class Synchronizer:
                               "sync_s": t.sync_s.as_dict()}
         if self.loop_lag is not None:
             out["loop_lag"] = self.loop_lag.summary()
+        if self.fanout is not None:
+            out["fanout"] = self.fanout.summary()
         return out
 
     def log_metrics(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:

@@ -32,6 +32,10 @@ class WeightSyncer(ABC):
     #: ``True`` when ``apply`` swaps in a whole version at once, so it may run in the
     #: background while rollouts continue (``sync_weight_no_wait``). Bucket mode is not.
     supports_no_wait: bool = False
+    #: How many payloads one ``sync`` sends and one ``apply`` consumes, when that is fixed
+    #: (patch mode: 1); ``None`` when it varies (bucket mode). Lets a caller refuse a
+    #: truncated or padded delivery before ``apply`` writes anything.
+    payloads_per_sync: int | None = None
 
     def __init__(self, *, use_ring_sync: bool = False, nccl_max_ctas: int | None = None,
                  nccl_min_ctas: int | None = None) -> None:

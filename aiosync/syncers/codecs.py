@@ -176,6 +176,7 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
         version=patch.version, base_version=patch.base_version, encoding=patch.encoding,
         delta_encoded=patch.delta_encoded, codec=codec, ordinals=patch.ordinals,
         nnz_per_tensor=patch.nnz_per_tensor, blobs=blobs, dtypes=dtypes, sizes=sizes, gap_bytes=patch.gap_bytes,
+        session=patch.session, checksums=patch.checksums,
     )
 
 
@@ -270,5 +271,5 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
     return WeightPatch(
         version=cp.version, base_version=cp.base_version, encoding=cp.encoding,
         delta_encoded=cp.delta_encoded, ordinals=cp.ordinals, nnz_per_tensor=cp.nnz_per_tensor,
-        rows=rows, cols=cols, values=values, gap_bytes=cp.gap_bytes,
+        rows=rows, cols=cols, values=values, gap_bytes=cp.gap_bytes, session=cp.session, checksums=cp.checksums,
     )

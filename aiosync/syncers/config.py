@@ -101,6 +101,7 @@ class PatchConfig:
     encoding: str = "coo"
     compression_level: int = 3
     recv_timeout: float | None = 600.0
+    verify_checksums: bool = False
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
     def __post_init__(self) -> None:
@@ -110,8 +111,9 @@ class PatchConfig:
             raise ConfigError(f"patch.snapshot_device must be cpu or cuda, got {self.snapshot_device!r}")
         if self.transport_device is not None and str(self.transport_device).split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(f"patch.transport_device must be null, cpu or cuda, got {self.transport_device!r}")
-        if not isinstance(self.delta_encoding, bool):
-            raise ConfigError(f"patch.delta_encoding must be true or false, got {self.delta_encoding!r}")
+        for name in ("delta_encoding", "verify_checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"patch.{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("patch.compression", self.compression, COMPRESSIONS)
         _check_choice("patch.encoding", self.encoding, PATCH_ENCODINGS)
         if self.compression.startswith("nvcomp") and str(self.transport_device or "cpu").split(":")[0] != "cuda":
@@ -135,13 +137,14 @@ class BucketConfig:
     is_agent: bool = False
     load_instant: bool = True
     recv_timeout: float | None = 600.0
+    verify_checksums: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("bucket.bucket_size", self.bucket_size)
         _check_choice("bucket.bucket_dtype", self.bucket_dtype, BUCKET_DTYPES)
         if self.bucket_device is not None and str(self.bucket_device).split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(f"bucket.bucket_device must be null, cpu or cuda, got {self.bucket_device!r}")
-        for name in ("is_agent", "load_instant"):
+        for name in ("is_agent", "load_instant", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"bucket.{name} must be true or false, got {getattr(self, name)!r}")
         if self.recv_timeout is not None and not (isinstance(self.recv_timeout, (int, float)) and self.recv_timeout > 0):

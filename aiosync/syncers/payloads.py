@@ -24,6 +24,9 @@ class ReceiverMetadata:
     aliases: dict[str, str] = field(default_factory=dict)
     #: whether each tensor can be written through a 2-D view (W9).
     viewable: list[bool] = field(default_factory=list)
+    #: random id of this handshake, echoed by the sender in its answer, its bootstrap buckets
+    #: and its patches: a stale payload of another handshake is refused (``None``: not checked).
+    session: int | None = None
 
 
 @dataclass
@@ -36,6 +39,8 @@ class SenderHello:
     error: str | None = None
     #: receiver ordinals that patches will touch, ascending.
     synced_ordinals: list[int] = field(default_factory=list)
+    #: the receiver's :attr:`ReceiverMetadata.session`, echoed.
+    session: int | None = None
 
 
 @dataclass
@@ -44,6 +49,8 @@ class EmptyWeightPatch:
 
     version: int
     base_version: int | None = None
+    #: the handshake this patch belongs to (:attr:`ReceiverMetadata.session`).
+    session: int | None = None
 
 
 @dataclass
@@ -70,6 +77,11 @@ class WeightPatch:
     values: torch.Tensor  # uint8
     #: ``flat`` only: bytes of ``cols`` taken by each tensor's gap stream.
     gap_bytes: torch.Tensor | None = None
+    #: the handshake this patch belongs to (:attr:`ReceiverMetadata.session`).
+    session: int | None = None
+    #: ``verify_checksums`` only: int64 CRC-32 of each touched tensor *after* the patch, in
+    #: ``ordinals`` order; the receiver verifies them after writing and rolls back on a mismatch.
+    checksums: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -77,7 +89,8 @@ class WeightPatch:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.ordinals, self.nnz_per_tensor, self.rows, self.cols, self.values, self.gap_bytes]
+        tensors = [self.ordinals, self.nnz_per_tensor, self.rows, self.cols, self.values, self.gap_bytes,
+                   self.checksums]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -101,6 +114,8 @@ class CompressedWeightPatch:
     dtypes: dict[str, str]
     sizes: dict[str, int]
     gap_bytes: torch.Tensor | None = None
+    session: int | None = None
+    checksums: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -110,4 +125,5 @@ class CompressedWeightPatch:
     def nbytes(self) -> int:
         return (sum(b.numel() for b in self.blobs.values())
                 + self.ordinals.numel() * self.ordinals.element_size()
-                + self.nnz_per_tensor.numel() * self.nnz_per_tensor.element_size())
+                + self.nnz_per_tensor.numel() * self.nnz_per_tensor.element_size()
+                + (self.checksums.numel() * 8 if self.checksums is not None else 0))

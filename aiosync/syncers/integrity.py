@@ -1,0 +1,122 @@
+"""Integrity checks of the syncers (B3, SPEC §7): checksums, bucket manifests, sessions.
+
+* :func:`tensor_checksum` — CRC-32 of a tensor's raw bytes in row-major order. Used only when
+  ``verify_checksums`` is on: the sender checksums the tensors a patch touches (from its
+  snapshot, i.e. the result the receiver must hold), the receiver checksums them after
+  writing and rolls back on a mismatch.
+* :func:`bucket_checksum` — CRC-32 over every entry of a bucket (names, dtypes, shapes, bytes,
+  metadata included), verified before the bucket is loaded.
+* :func:`encode_manifest` / :func:`decode_manifest` — the names, shapes and dtypes of every
+  bucket of one sync, carried by the first bucket so that the receiver can validate the
+  whole sync before it loads anything.
+* :func:`new_session` — a random id that ties a receiver's handshake, its bootstrap buckets
+  and its patches together, so that a stale or duplicated payload of another handshake is
+  refused instead of being applied to the wrong weights.
+
+None of this runs on the patch hot path unless ``verify_checksums`` is on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import PayloadError
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw_bytes(t: torch.Tensor):
+    """A numpy byte view of ``t``'s elements in row-major order (copied to CPU if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t).contiguous()
+    size = t.element_size()
+    if size not in _BITS:
+        raise PayloadError(f"cannot checksum a tensor of dtype {t.dtype}")
+    return t.reshape(-1).view(_BITS[size]).numpy().view("uint8")
+
+
+def tensor_checksum(t: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 of ``t``'s raw bytes (row-major, any device, any layout), continuing ``value``."""
+    return zlib.crc32(_raw_bytes(t), value)
+
+
+def bucket_checksum(bucket: Mapping[str, torch.Tensor], skip: str) -> int:
+    """CRC-32 over every entry of ``bucket`` but ``skip``, in sorted key order: each key, its
+    dtype and shape, then its bytes. Independent of the dict's order (a transport may sort)."""
+    crc = 0
+    for key in sorted(k for k in bucket if k != skip):
+        t = bucket[key]
+        if not isinstance(t, torch.Tensor):
+            raise PayloadError(f"bucket entry {key!r} is a {type(t).__name__}, not a tensor")
+        head = f"{key}\x00{str(t.dtype).removeprefix('torch.')}\x00{tuple(t.shape)}\x00".encode()
+        crc = zlib.crc32(head, crc)
+        crc = tensor_checksum(t, crc)
+    return crc
+
+
+def checksum_tensor(values: list[int]) -> torch.Tensor:
+    """Checksums as they travel: an int64 tensor."""
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def read_checksums(t: Any, n: int, what: str) -> list[int]:
+    """Validate a received checksum tensor of ``n`` entries and return it as ints."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise PayloadError(f"{what} checksums must be an integer tensor")
+    if t.numel() != n:
+        raise PayloadError(f"{what} carries {t.numel()} checksums for {n} tensors (truncated or malformed)")
+    return t.reshape(-1).to(torch.int64).tolist()
+
+
+# ------------------------------------------------------------------ manifests
+def encode_manifest(buckets: list[list[tuple[str, torch.Size | tuple, torch.dtype]]]) -> torch.Tensor:
+    """``[[(name, shape, dtype), ...] per bucket]`` → a uint8 tensor of UTF-8 JSON."""
+    doc = [[[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in bucket]
+           for bucket in buckets]
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_manifest(t: Any) -> list[list[tuple[str, tuple[int, ...], str]]]:
+    """Invert :func:`encode_manifest`; anything malformed is a :class:`PayloadError`."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        raise PayloadError("the bucket manifest must be a uint8 tensor of JSON")
+    try:
+        doc = json.loads(t.reshape(-1).cpu().numpy().tobytes().decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PayloadError(f"the bucket manifest is not valid JSON (corrupted or truncated): {exc}") from None
+    out = []
+    if not isinstance(doc, list) or not doc:
+        raise PayloadError("the bucket manifest must list at least one bucket")
+    seen: set[str] = set()
+    for bucket in doc:
+        if not isinstance(bucket, list):
+            raise PayloadError("the bucket manifest is malformed: a bucket is not a list")
+        entries = []
+        for entry in bucket:
+            ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                  and isinstance(entry[1], list) and isinstance(entry[2], str)
+                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1]))
+            if not ok:
+                raise PayloadError(f"the bucket manifest has a malformed entry {str(entry)[:80]}")
+            if entry[0] in seen:
+                raise PayloadError(f"the bucket manifest names {entry[0]!r} twice")
+            seen.add(entry[0])
+            entries.append((entry[0], tuple(entry[1]), entry[2]))
+        out.append(entries)
+    return out
+
+
+def new_session() -> int:
+    """A random, non-zero 62-bit id for one handshake."""
+    return (int.from_bytes(os.urandom(8), "little") >> 2) or 1
