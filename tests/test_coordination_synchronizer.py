@@ -21,38 +21,13 @@ from aiosync.syncers import BucketWeightSyncer
 from aiosync.transports.base import Transport
 from aiosync.transports.inproc import inproc_pair
 from aiosync.transports.simulated import simulated_pair
+from toy_model import weights, trainer_state, rollout_model, holds, train_to
 
 S, R, Q = RunningStatus.STOPPED, RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
 PATCH_COO = {"type": "patch", "patch": {"encoding": "coo", "compression": "none", "init_sync": {"enabled": True}}}
 HANG_GUARD = 30  # seconds: only catches hangs, never measures speed
-
-
-def weights(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(24, 16, generator=g)
-    b = torch.randn(16, generator=g)
-    return {"w": w + 0.25 * v, "b": b - 0.5 * v, "stamp": torch.tensor(v, dtype=torch.int64)}
-
-
-def trainer_state() -> dict[str, torch.Tensor]:
-    return weights(0)
-
-
-def rollout_model() -> dict[str, torch.Tensor]:
-    """The explorer's copy: bf16 weights (a cast receiver), fp32 bias, int64 stamp."""
-    return {"w": torch.zeros(24, 16, dtype=torch.bfloat16), "b": torch.zeros(16), "stamp": torch.tensor(-1)}
-
-
-def holds(model: dict[str, torch.Tensor], v: int) -> bool:
-    """Bit-exact: the model holds version ``v`` cast to its own dtypes."""
-    return all(torch.equal(model[k], t.to(model[k].dtype)) for k, t in weights(v).items())
-
-
-def train_to(state: dict[str, torch.Tensor], v: int) -> None:
-    for k, t in weights(v).items():
-        state[k].copy_(t)
 
 
 def transitions_are_well_formed(history) -> bool:

@@ -29,30 +29,11 @@ from aiosync.transports.base import Transport
 from aiosync.transports.checkpoint import CheckpointDir
 from aiosync.transports.distributed import Frame, decode_message, encode_message, register_message
 from aiosync.transports.inproc import inproc_pair
+from toy_model import weights, rollout_model, holds, train_to
 
 HANG_GUARD = 60
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
 BUCKET = {"type": "bucket", "bucket": {"bucket_size": 512}}
-
-
-def weights(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(24, 16, generator=g)
-    b = torch.randn(16, generator=g)
-    return {"w": w + 0.25 * v, "b": b - 0.5 * v, "stamp": torch.tensor(v, dtype=torch.int64)}
-
-
-def rollout_model() -> dict[str, torch.Tensor]:
-    return {"w": torch.zeros(24, 16, dtype=torch.bfloat16), "b": torch.zeros(16), "stamp": torch.tensor(-1)}
-
-
-def holds(model: dict[str, torch.Tensor], v: int) -> bool:
-    return all(torch.equal(model[k], t.to(model[k].dtype)) for k, t in weights(v).items())
-
-
-def train_to(state: dict[str, torch.Tensor], v: int) -> None:
-    for k, t in weights(v).items():
-        state[k].copy_(t)
 
 
 def roundtrip(payload: Any) -> Any:

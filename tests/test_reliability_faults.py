@@ -22,6 +22,7 @@ from aiosync.coordination.link import Ack, Reinit
 from aiosync.errors import PeerTimeoutError, TransportError
 from aiosync.syncers.bucket import BUCKET_KEY
 from aiosync.transports.simulated import FAULT_KINDS, FaultProfile, SimulatedTransport, simulated_pair
+from toy_model import weights, rollout_model, holds, train_to
 
 HANG_GUARD = 30
 DELIVERY = 0.4  # a short delivery bound, so lost messages are noticed quickly
@@ -30,26 +31,6 @@ PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "
 PATCH_COO = {"type": "patch", "patch": {"encoding": "coo", "compression": "none", "verify_checksums": True,
                                         "init_sync": {"enabled": True, "bucket_size": 256}}}
 BUCKET = {"type": "bucket", "bucket": {"bucket_size": 256, "verify_checksums": True}}
-
-
-def weights(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(24, 16, generator=g)
-    b = torch.randn(16, generator=g)
-    return {"w": w + 0.25 * v, "b": b - 0.5 * v, "stamp": torch.tensor(v, dtype=torch.int64)}
-
-
-def rollout_model() -> dict[str, torch.Tensor]:
-    return {"w": torch.zeros(24, 16, dtype=torch.bfloat16), "b": torch.zeros(16), "stamp": torch.tensor(-1)}
-
-
-def holds(model: dict[str, torch.Tensor], v: int) -> bool:
-    return all(torch.equal(model[k], t.to(model[k].dtype)) for k, t in weights(v).items())
-
-
-def train_to(state: dict[str, torch.Tensor], v: int) -> None:
-    for k, t in weights(v).items():
-        state[k].copy_(t)
 
 
 @pytest.fixture(scope="module", autouse=True)
