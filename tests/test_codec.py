@@ -115,6 +115,36 @@ async def connect(src, dst, encoding, delta, compression, **kw):
     return s, r, a, b
 
 
+def zigzag_code_values(new_bits: torch.Tensor, old_bits: torch.Tensor) -> list[int]:
+    """Reference value codes in plain Python: zig-zag of new - old modulo 2**bits (XOR for 8 bytes)."""
+    w = new_bits.element_size()
+    mod = 1 << (8 * w)
+    out = []
+    for a, b in zip(new_bits.reshape(-1).tolist(), old_bits.reshape(-1).tolist()):
+        a, b = a % mod, b % mod
+        if w == 8:
+            out.append(a ^ b)
+            continue
+        d = (a - b) % mod
+        d = d - mod if d >= mod // 2 else d
+        out.append(2 * d if d >= 0 else -2 * d - 1)
+    return out
+
+
+def expected_flat_values(codes_per_tensor: list[list[int]], widths: list[int]) -> list[int]:
+    """Reference ``flat`` values stream: nibbles two per byte (low first, escape 15), then the
+    escaped codes of each width, widths ascending, byte plane by byte plane."""
+    nibs = [min(z, 15) for codes in codes_per_tensor for z in codes]
+    if len(nibs) % 2:
+        nibs.append(0)
+    out = [nibs[i] | nibs[i + 1] << 4 for i in range(0, len(nibs), 2)]
+    for w in sorted(set(widths)):
+        esc = [z for codes, wz in zip(codes_per_tensor, widths) if wz == w for z in codes if z >= 15]
+        for b in range(w):
+            out += [(z >> (8 * b)) & 0xFF for z in esc]
+    return out
+
+
 def assert_same_bits(x: dict, y: dict) -> None:
     assert list(x) == list(y) or set(x) == set(y)
     for k in x:
@@ -229,9 +259,10 @@ def test_varint_encode_matches_numba_and_reference():
     # the numba gap coder over positions gives the same stream as torch over the gaps
     pos = np.array([0, 1, 5, 133, 134, 20000, 2**40], np.int64)
     buf = np.empty(pos.size * 10, np.uint8)
-    planes = np.zeros((2, pos.size), np.uint8)
+    nibs, exc = np.zeros(pos.size, np.uint8), np.zeros((2, pos.size), np.uint8)
     zeros = np.zeros(pos.size, np.uint16)
-    nb, first = kernels.encode_flat(pos, zeros, zeros, pos.size, 2, -1, buf, planes, 0)
+    nb, first, n_exc = kernels.encode_flat(pos, zeros, zeros, pos.size, -1, buf, nibs, exc)
+    assert n_exc == 0 and nibs.tolist() == [0] * pos.size
     gaps = torch.from_numpy(pos) - torch.cat([torch.tensor([-1]), torch.from_numpy(pos[:-1])]) - 1
     assert buf[:nb].tolist() == varint_encode(gaps).tolist()
     assert first == 1
@@ -321,10 +352,11 @@ def test_fused_flat_builder_matches_torch_reference(snap_dtype):
         assert f.nnz == t.nnz
         prev = torch.cat([torch.tensor([-1]), t.positions[:-1]])
         assert f.gaps.tolist() == varint_encode(t.positions - prev - 1).tolist()
-        z = zigzag_delta(t.new_bits, t.old_bits)
+        z = zigzag_code_values(t.new_bits, t.old_bits)
         w = t.new_bits.element_size()
-        assert f.planes.shape == (w, t.nnz)
-        assert np.array_equal(f.planes, z.contiguous().view(torch.uint8).view(-1, w).t().numpy())
+        assert f.nibbles.tolist() == [min(v, 15) for v in z]
+        assert f.exceptions.shape == (w, sum(v >= 15 for v in z))
+        assert [int.from_bytes(bytes(col), "little") for col in f.exceptions.T.tolist()] == [v for v in z if v >= 15]
     for i in range(2):
         assert torch.equal(bits(fused.tensor(i)), bits(ref.tensor(i)))
     fused.close()
@@ -344,8 +376,7 @@ def test_encode_patch_flat_numba_matches_torch_on_meta_positions():
                      delta_encoding=False)
     prev = torch.cat([torch.tensor([-1]), pos[:-1]])
     assert p.cols.tolist() == varint_encode(pos - prev - 1).tolist()
-    z = zigzag_delta(new, old)
-    assert p.values.tolist() == z.view(torch.uint8).view(-1, 2).t().reshape(-1).tolist()
+    assert p.values.tolist() == expected_flat_values([zigzag_code_values(new, old)], [2])
     assert p.gap_bytes.tolist() == [p.cols.numel()]
 
 
@@ -608,3 +639,72 @@ async def test_non_contiguous_receiver_tensor(encoding, delta):
     assert await r.apply(dst, b.recv) == 1
     assert not dst["m"].is_contiguous()
     assert torch.equal(bits(dst["m"]), bits(src["m"])) and torch.equal(bits(dst["v"]), bits(src["v"]))
+
+
+# ------------------------------------------------------------- flat value nibbles and escapes
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("torch_path", [False, True], ids=["numba", "torch"])
+def test_flat_values_nibbles_and_escapes_byte_exact(monkeypatch, dtype, torch_path):
+    """Codes 1..14 travel as nibbles, 15 and up escape whole; odd counts pad with a zero nibble.
+    Both encoders emit the reference bytes, and decoding (numba and torch escape counting)
+    gives the new bits back."""
+    from aiosync.syncers import patch_format
+    from aiosync.syncers.snapshot import TensorDiff
+
+    w = torch.empty((), dtype=dtype).element_size()
+    top = 255 if dtype == torch.uint8 else 2 ** (8 * w - 1) - 1
+    # deltas around the escape threshold (codes 13..17), one ulp each way, and big jumps
+    deltas = [1, -1, 7, -7, 7, -8, 8, -9, 100, -100, top // 2, 3, -3]
+    old = torch.tensor([(37 * i) % 50 + 60 for i in range(len(deltas))], dtype=torch.int64)
+    new = old + torch.tensor(deltas)
+    if dtype == torch.int64:
+        new[10] = old[10] ^ (1 << 62)
+    if dtype == torch.uint8:
+        new = new % 256
+    old_b, new_b = old.to(dtype), new.to(dtype)
+    layouts = [TensorLayout(0, 1, 64, w), TensorLayout(3, 2, 40, w)]
+    diffs = [TensorDiff(0, torch.tensor([0, 5, 9, 63]), new_b[:4], old_b[:4]),
+             TensorDiff(1, torch.tensor([1, 2, 3, 10, 20, 40, 41, 78, 79]), new_b[4:], old_b[4:])]
+    codes = [zigzag_code_values(d.new_bits, d.old_bits) for d in diffs]
+    assert any(z < 15 for c in codes for z in c) and any(z >= 15 for c in codes for z in c)
+    if torch_path:
+        monkeypatch.setattr(patch_format, "_on_cpu", lambda diffs: False)
+    p = encode_patch(diffs, layouts, version=2, base_version=1, encoding="flat", delta_encoding=False)
+    assert p.values.tolist() == expected_flat_values(codes, [w, w])  # 13 changes: one padding nibble
+    by_ord = {lay.ordinal: lay for lay in layouts}
+    for numba_counts in (True, False):
+        monkeypatch.setattr(patch_format, "_flat_value_layout",
+                            lambda *a, nc=numba_counts, f=patch_format._flat_value_layout: f(*a, numba_counts=nc))
+        for d, src in zip(patch_format.decode_patch(p, by_ord), diffs):
+            assert torch.equal(d.positions, src.positions)
+            assert torch.equal(d.new_bits(src.old_bits), src.new_bits)
+            assert d.n_exc == sum(z >= 15 for z in zigzag_code_values(src.new_bits, src.old_bits))
+        monkeypatch.undo()
+        if torch_path:
+            monkeypatch.setattr(patch_format, "_on_cpu", lambda diffs: False)
+
+
+def test_flat_values_malformed_nibbles_are_refused():
+    """A nibble flipped to the escape (or away from it) changes how many exception bytes the
+    stream must hold; a non-zero padding nibble is malformed too. Each is a PayloadError."""
+    from aiosync.syncers import patch_format
+    from aiosync.syncers.snapshot import TensorDiff
+
+    layouts = {0: TensorLayout(0, 1, 100, 2)}
+    old = torch.tensor([10, 10, 10], dtype=torch.int16)
+    new = torch.tensor([11, 9, 500], dtype=torch.int16)  # codes 2, 1, 980 (escaped)
+    p = encode_patch([TensorDiff(0, torch.tensor([1, 2, 3]), new, old)], [layouts[0]], version=1,
+                     base_version=None, encoding="flat", delta_encoding=False)
+    assert p.values.tolist()[:2] == [2 | 1 << 4, 15]  # nibbles 2, 1 | 15, padding 0
+    good = patch_format.decode_patch(p, layouts)
+    assert good[0].n_exc == 1
+    for name, values in [
+        ("nibble turned into an escape", torch.tensor([15 | 1 << 4] + p.values.tolist()[1:], dtype=torch.uint8)),
+        ("escape turned into a nibble", torch.tensor([p.values[0].item(), 3] + p.values.tolist()[2:], dtype=torch.uint8)),
+        ("padding nibble not zero", torch.tensor([p.values[0].item(), 15 | 2 << 4] + p.values.tolist()[2:],
+                                                  dtype=torch.uint8)),
+        ("exception bytes cut", p.values[:-1]),
+        ("nibbles cut", p.values[:1]),
+    ]:
+        with pytest.raises(PayloadError):
+            patch_format.decode_patch(dataclasses.replace(p, values=values), layouts)

@@ -8,7 +8,9 @@ Adam's moments are past their first-step regime. Every mode syncs the same updat
 Measured per mode, all in this run: payload bytes, changed elements, bytes per changed
 element, patch build time, end-to-end time (build, encode, transfer, decode, apply) over the
 in-process channel and over a simulated 1 Gbit/s link, and whether the receiver ended
-bit-exact. One ``clone()`` of the synced tensors is the yardstick for the time ratios.
+bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of three) is the
+yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
+optimizer step before each), after one untimed warm-up sync per mode.
 """
 
 from __future__ import annotations
@@ -120,7 +122,15 @@ async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, recei
 
 
 async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup: int, seed: int,
-                    modes: list[str], progress) -> dict[str, Any]:
+                    modes: list[str], progress, rounds: int = 3) -> dict[str, Any]:
+    """Measure every mode on the same updates; see the module docstring.
+
+    In-process figures are the median of ``rounds`` syncs, each after one optimizer step and
+    after one untimed warm-up sync per mode (thread pools, scratch buffers and codec
+    contexts are set up on first use; a training run pays that once, not per sync). The
+    1 Gbit/s figure is one more sync per mode. Payload sizes and changed elements are summed
+    over the timed in-process rounds.
+    """
     task = progress.add_task("building model and warm-up steps", total=warmup + 1)
     trainer = Trainer(transformer_state(n_elements, d_model, vocab, seed), lr, seed)
     progress.advance(task)
@@ -156,41 +166,52 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
         pairs[name] = (s, r, receiver)
         progress.advance(task)
 
-    results = {name: {"name": name} for name in modes}
-    changed = None
-    for phase, bandwidth in (("e2e_s", None), ("e2e_1gbit_s", GBIT_BYTES_PER_S)):
+    samples: dict[str, dict[str, list]] = {name: {} for name in modes}
+    exact = {name: True for name in modes}
+    changed_total = 0
+    version = 1
+    plan = [("warm-up", None)] + [("e2e_s", None)] * rounds + [("e2e_1gbit_s", GBIT_BYTES_PER_S)]
+    task = progress.add_task(f"optimizer step, then one sync per mode ({rounds} timed rounds + warm-up + 1 Gbit/s)",
+                             total=len(plan) * len(modes))
+    for phase, bandwidth in plan:
         trainer.step()
-        before = None
-        task = progress.add_task(f"one optimizer step, then sync ({'in-process' if bandwidth is None else '1 Gbit/s'})",
-                                 total=len(modes))
+        version += 1
+        counted = False
         for name in modes:
             s, r, receiver = pairs[name]
-            if changed is None and name.startswith("patch"):
+            before = None
+            if phase == "e2e_s" and not counted and name.startswith("patch"):
                 before = {k: v.clone() for k, v in receiver.items()}
-            version = 2 if phase == "e2e_s" else 3
             e2e, nbytes, stats = await _one_sync(s, r, state, receiver, SimulatedLink(bandwidth), version)
-            row = results[name]
-            row[phase] = e2e
-            row["bit_exact"] = row.get("bit_exact", True) and bit_exact(state, receiver)
+            exact[name] = exact[name] and bit_exact(state, receiver)
+            row = samples[name]
             if phase == "e2e_s":
-                row["bytes"] = nbytes
-                row["build_s"] = stats.get("build_s", stats.get("sync_s", 0.0))
-                row["encode_s"] = stats.get("encode_s", 0.0)
-                row["apply_s"] = stats["apply_s"]
-                if changed is None and before is not None:
-                    changed = sum(int((as_bits(before[k]) != as_bits(receiver[k])).sum()) for k in receiver)
+                for key, value in (("e2e_s", e2e), ("bytes", nbytes), ("build_s", stats.get("build_s", stats.get("sync_s", 0.0))),
+                                   ("encode_s", stats.get("encode_s", 0.0)), ("apply_s", stats["apply_s"])):
+                    row.setdefault(key, []).append(value)
+                if before is not None:
+                    changed_total += sum(int((as_bits(before[k]) != as_bits(receiver[k])).sum()) for k in receiver)
+                    counted = True
                     del before
+            elif phase == "e2e_1gbit_s":
+                row["e2e_1gbit_s"] = [e2e]
             progress.advance(task)
-    changed = changed or 0
-    for row in results.values():
-        row["bytes_per_changed"] = row["bytes"] / changed if changed else math.inf
+    changed = changed_total / rounds if rounds else 0
+    result_modes = []
+    for name in modes:
+        row = samples[name]
+        total_bytes = sum(row["bytes"])
+        result_modes.append({
+            "name": name,
+            "bytes": round(total_bytes / rounds),
+            "bytes_per_changed": total_bytes / changed_total if changed_total else math.inf,
+            **{k: statistics.median(row[k]) for k in ("build_s", "encode_s", "apply_s", "e2e_s", "e2e_1gbit_s")},
+            "bit_exact": exact[name],
+            "e2e_rounds_s": row["e2e_s"], "build_rounds_s": row["build_s"],
+        })
     return {
-        "elements": elements, "changed": changed, "density": changed / elements, "clone_s": clone_s,
-        "modes": [
-            {k: results[n][k] for k in ("name", "bytes", "bytes_per_changed", "build_s", "encode_s", "apply_s", "e2e_s",
-                                        "e2e_1gbit_s", "bit_exact")}
-            for n in modes
-        ],
+        "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
+        "clone_rounds_s": clone_times, "rounds": rounds, "modes": result_modes,
     }
 
 
@@ -201,7 +222,7 @@ def print_table(report: dict[str, Any]) -> None:
     clone = report["clone_s"]
     table = Table(title=(f"aiosync bench: {report['elements'] / 1e6:.1f} M synced elements, "
                          f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
-                         f"clone {clone * 1e3:.1f} ms"))
+                         f"clone {clone * 1e3:.1f} ms; times: median of {report['rounds']} syncs"))
     for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "e2e ms", "e2e/clone",
                 "e2e 1Gbit ms", "bit-exact"):
         table.add_column(col, justify="right")
@@ -227,6 +248,7 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the first sync")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket")
+    p.add_argument("--rounds", type=int, default=3, help="timed in-process syncs per mode; medians are reported")
     p.add_argument("--quick", action="store_true", help="a small run (about 4 M elements)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=run)
@@ -239,11 +261,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; valid: {', '.join(MODES)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     n, d_model, vocab = int(args.elements), args.d_model, args.vocab
     if args.quick:
         n, d_model, vocab = 4_000_000, 256, 4096
     with Progress(transient=True) as progress:
-        report = asyncio.run(run_bench(n, d_model, vocab, args.lr, args.warmup, args.seed, modes, progress))
+        report = asyncio.run(run_bench(n, d_model, vocab, args.lr, args.warmup, args.seed, modes, progress,
+                                       rounds=args.rounds))
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

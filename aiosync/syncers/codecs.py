@@ -18,8 +18,8 @@ from .payloads import CompressedWeightPatch, WeightPatch
 
 NVCOMP_ALGORITHMS = {"nvcomp_lz4": "LZ4", "nvcomp_zstd": "Zstd"}
 _POOL: ThreadPoolExecutor | None = None
-_FRAME_BYTES = 1 << 20  # a zstd frame per MiB of stream, at most _MAX_FRAMES per stream
-_MAX_FRAMES = 4
+_FRAME_BYTES = 1 << 19  # a zstd frame per 512 KiB of stream, at most _MAX_FRAMES per stream
+_MAX_FRAMES = 8
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -148,7 +148,7 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
     if codec == "zstd":
         jobs = {k: shuffle_bytes(_np_u8(v), v.element_size()) for k, v in streams.items()}
         values = _np_u8(patch.values)
-        if patch.encoding == "flat":  # already in byte planes
+        if patch.encoding == "flat":  # nibbles, then exception byte planes: nothing to shuffle
             jobs["values"] = values
             sizes["values"] = values.size
         else:

@@ -1,11 +1,16 @@
-"""CPU kernels of the patch builder, compiled with numba.
+"""CPU kernels of the patch builder and receiver, compiled with numba.
 
-The builder compares the bit patterns of the current tensor (already cast to the receiver's
-dtype) with the snapshot. Comparing raw bits, not values, makes NaN == NaN when the bits are
-equal and 0.0 != -0.0 (B2). The kernel builds a 64-bit change mask per block of 64 elements
-(a branch-free loop the compiler vectorises), then visits only the set bits with
-count-trailing-zeros, writing each changed position, its new and old bits, and updating the
-snapshot in place. Cost is one streaming pass over both arrays plus O(changes).
+The builder compares the bit patterns of the current tensor (already in the receiver's
+dtype, or fp32 cast to bf16 on the fly) with the snapshot. Comparing raw bits, not values,
+makes NaN == NaN when the bits are equal and 0.0 != -0.0 (B2).
+
+The builder kernels run in two passes over each group of 64-element blocks. A branch-free
+compare builds a 64-bit change mask per block (a loop the compiler vectorises) and flattens
+its set bits into positions with popcount and count-trailing-zeros, with no data-dependent
+branch when a block holds at most four changes (nearly all of them at RL densities). Then
+a loop with a predictable trip count visits only those positions, while their cache lines
+are still hot, writes each change out and updates the snapshot in place. Cost: one
+streaming pass over both arrays plus a few nanoseconds per change.
 """
 
 from __future__ import annotations
@@ -14,115 +19,152 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
-def _cttz64(typingctx, x):
-    """LLVM count-trailing-zeros on a uint64 (one instruction on x86-64 and arm64)."""
+def _tz64(typingctx, x):
+    """LLVM count-trailing-zeros of a uint64, 64 for zero (one instruction on x86-64 and arm64)."""
     sig = types.uint64(types.uint64)
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
         fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
         fn = builder.module.declare_intrinsic("llvm.cttz", [i64], fnty)
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
 
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def diff_and_update(new, snap, out_pos, out_new, out_old, base):  # pragma: no cover - compiled
-    """Find elements where ``new`` and ``snap`` differ bitwise; record and copy them.
+@intrinsic
+def _popcount64(typingctx, x):
+    """LLVM population count of a uint64."""
+    sig = types.uint64(types.uint64)
 
-    ``new`` and ``snap`` are 1-D unsigned-integer views of equal length and dtype. Changed
-    element ``j`` is written as ``out_pos[k] = base + j``, ``out_new[k] = new[j]``,
-    ``out_old[k] = snap[j]``, then ``snap[j] = new[j]``. Returns the number of changes ``k``.
-    The output arrays must hold ``len(new)`` entries.
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = builder.module.declare_intrinsic("llvm.ctpop", [i64], ir.FunctionType(i64, [i64]))
+        return builder.call(fn, [args[0]])
+
+    return sig, codegen
+
+
+def _width(a):
+    """Bytes per element of array ``a``, a compile-time constant inside kernels."""
+    return a.itemsize
+
+
+@overload(_width)
+def _width_impl(a):
+    # typed per dtype, so branches on the width fold away (``a.itemsize`` is a run-time load)
+    w = a.dtype.bitwidth // 8
+
+    def impl(a):
+        return w
+
+    return impl
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _cast_bf16(u):  # pragma: no cover - compiled
+    """fp32 bits → bf16 bits: round to nearest even, every NaN → 0xFFFF (torch's CPU cast)."""
+    u = np.uint32(u)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0xFFFF)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _load(src, j, fused):  # pragma: no cover - compiled
+    """Element ``j`` of the source as snapshot bits (cast to bf16 on the fly when ``fused``)."""
+    if fused:
+        return np.uint64(_cast_bf16(src[j]))
+    return np.uint64(src[j])
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _flatten(m, s, idx, cnt):  # pragma: no cover - compiled
+    """Append ``s + i`` for every set bit ``i`` of ``m`` to ``idx[cnt:]``; return the new count.
+
+    The first four slots are written unconditionally (past the count they are scratch, so
+    ``idx`` needs four spare entries): a loop over set bits would mispredict its exit about
+    once per block.
     """
-    n = new.shape[0]
-    nblocks = n // 64
     one = np.uint64(1)
-    masks = np.empty(nblocks, np.uint64)
-    for b in range(nblocks):
-        s = b * 64
-        m = np.uint64(0)
-        for i in range(64):
-            m |= np.uint64(new[s + i] != snap[s + i]) << np.uint64(i)
-        masks[b] = m
-    k = 0
-    for b in range(nblocks):
-        m = masks[b]
-        s = b * 64
+    pc = np.int64(_popcount64(m))
+    idx[cnt] = s + np.int64(_tz64(m))
+    m &= m - one
+    idx[cnt + 1] = s + np.int64(_tz64(m))
+    m &= m - one
+    idx[cnt + 2] = s + np.int64(_tz64(m))
+    m &= m - one
+    idx[cnt + 3] = s + np.int64(_tz64(m))
+    m &= m - one
+    if pc > 4:
+        c = cnt + 4
         while m:
-            j = s + np.int64(_cttz64(m))
+            idx[c] = s + np.int64(_tz64(m))
             m &= m - one
-            v = new[j]
-            out_pos[k] = base + j
-            out_new[k] = v
-            out_old[k] = snap[j]
-            snap[j] = v
-            k += 1
-    for j in range(nblocks * 64, n):
-        v = new[j]
-        if v != snap[j]:
-            out_pos[k] = base + j
-            out_new[k] = v
-            out_old[k] = snap[j]
-            snap[j] = v
-            k += 1
-    return k
+            c += 1
+    return cnt + pc
+
+
+# Blocks of 64 elements whose changes are collected before the second pass writes them out
+# (measured best between 16 and 32: large enough to amortise the switch, small enough that
+# the blocks' cache lines are still in L1).
+GROUP_BLOCKS = 16
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def diff_cast_f32_bf16(src, snap, out_pos, out_new, out_old, base):  # pragma: no cover - compiled
-    """:func:`diff_and_update` fused with the fp32 → bf16 cast.
+def diff_update(src, snap, fused, out_pos, out_new, out_old, base):  # pragma: no cover - compiled
+    """Find elements where ``src`` and ``snap`` differ bitwise; record them; update ``snap``.
 
-    ``src`` holds fp32 bit patterns (uint32), ``snap`` bf16 bit patterns (uint16). The cast
-    rounds to nearest even and maps every NaN to 0xFFFF, exactly as torch's CPU cast does
-    (checked at import by :func:`fused_cast_matches_torch`; otherwise this kernel is unused).
+    ``src`` and ``snap`` are 1-D unsigned-integer views of equal length; ``src`` holds the
+    snapshot's dtype, or fp32 bits cast to bf16 on the fly when ``fused``. Changed element
+    ``j`` is written as ``out_pos[k] = base + j`` with its new and old bits in ``out_new[k]``
+    and ``out_old[k]``; then ``snap[j]`` takes the new bits. Returns the number of changes.
+    The output arrays must hold ``len(snap)`` entries.
     """
-    n = src.shape[0]
-    nblocks = n // 64
-    one = np.uint64(1)
-    buf = np.empty(64, np.uint16)
+    n = snap.shape[0]
+    nblocks = (n + 63) // 64
+    idx = np.empty(GROUP_BLOCKS * 64 + 4, np.int64)
+    cnt = 0
     k = 0
-    for b in range(nblocks + 1):
+    for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        m = np.uint64(0)
-        for i in range(e - s):
-            u = np.uint32(src[s + i])
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                h = np.uint16(0xFFFF)
-            else:
-                h = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            buf[i] = h
-            m |= np.uint64(h != snap[s + i]) << np.uint64(i)
-        while m:
-            i = np.int64(_cttz64(m))
-            m &= m - one
-            j = s + i
-            out_pos[k] = base + j
-            out_new[k] = buf[i]
-            out_old[k] = snap[j]
-            snap[j] = buf[i]
-            k += 1
+        m = np.uint64(0)  # the block's change mask: branch-free, vectorised
+        if fused:
+            for i in range(e - s):
+                m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
+        else:
+            for i in range(e - s):
+                m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+        cnt = _flatten(m, s, idx, cnt)
+        if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
+            for q in range(cnt):
+                j = idx[q]
+                h = _load(src, j, fused)
+                out_pos[k] = base + j
+                out_new[k] = h
+                out_old[k] = snap[j]
+                snap[j] = h
+                k += 1
+            cnt = 0
     return k
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def _zigzag(new, old, width):  # pragma: no cover - compiled
+    """Zig-zag code of ``new - old`` modulo 2**(8*width), branch-free (XOR for 8-byte elements)."""
     if width == 8:
         return np.uint64(new) ^ np.uint64(old)
     bits = 8 * width
-    mod = np.int64(1) << bits
-    d = (np.int64(new) - np.int64(old)) & (mod - 1)  # modulo 2**bits without a division
-    if d >= mod >> 1:
-        d -= mod
-    if d >= 0:
-        return np.uint64(2 * d)
-    return np.uint64(-2 * d - 1)
+    mask = (np.int64(1) << bits) - 1
+    half = np.int64(1) << (bits - 1)
+    d = (np.int64(new) - np.int64(old)) & mask
+    sd = (d ^ half) - half  # the difference, sign-extended
+    return np.uint64(((sd << 1) ^ (sd >> 63)) & mask)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -136,28 +178,35 @@ def _put_varint(gaps, g, gap):  # pragma: no cover - compiled
     return g + 1
 
 
+# Value codes: a zig-zag code below ESCAPE is its own nibble; larger codes take nibble ESCAPE
+# and go whole to an exception list, written byte-plane-wise (``exc[b, e]`` = byte ``b``).
+ESCAPE = 15
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _put_code(planes, k, z, width):  # pragma: no cover - compiled
-    """Write code ``z`` byte-plane-wise; the common widths are unrolled."""
-    if width == 2:
-        planes[0, k] = np.uint8(z & np.uint64(0xFF))
-        planes[1, k] = np.uint8((z >> np.uint64(8)) & np.uint64(0xFF))
-    elif width == 1:
-        planes[0, k] = np.uint8(z & np.uint64(0xFF))
-    else:
-        for bb in range(width):
-            planes[bb, k] = np.uint8((z >> np.uint64(8 * bb)) & np.uint64(0xFF))
+def _put_value(nibs, k, exc, e, z):  # pragma: no cover - compiled
+    """Record code ``z`` of change ``k``: its nibble, and the whole code when it escapes.
+    Returns the new exception count."""
+    if z < np.uint64(ESCAPE):
+        nibs[k] = np.uint8(z)
+        return e
+    nibs[k] = np.uint8(ESCAPE)
+    for bb in range(exc.shape[0]):
+        exc[bb, e] = np.uint8((z >> np.uint64(8 * bb)) & np.uint64(0xFF))
+    return e + 1
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def encode_flat(pos, new, old, count, width, prev, gaps, planes, plane_off):  # pragma: no cover - compiled
-    """Gap-code ``pos[:count]`` as LEB128 varints into ``gaps`` and zig-zag code the values.
+def encode_flat(pos, new, old, count, prev, gaps, nibs, exc):  # pragma: no cover - compiled
+    """Gap-code ``pos[:count]`` as LEB128 varints into ``gaps``; code the values.
 
-    ``prev`` is the position before the first (``-1`` at a tensor's start). Value codes are
-    written byte-plane-wise: byte ``b`` of code ``i`` goes to ``planes[b, plane_off + i]``.
-    Returns ``(bytes written to gaps, bytes taken by the first varint)``.
+    ``prev`` is the position before the first (``-1`` at a tensor's start). ``nibs[i]`` gets
+    change ``i``'s value nibble (one per byte; packed later), escaped codes go to ``exc``
+    (``(width, count)`` bytes). Returns ``(gap bytes, bytes of the first varint, exceptions)``.
     """
+    width = _width(new)
     g = 0
+    e = 0
     first_len = 0
     for i in range(count):
         p = np.int64(pos[i])
@@ -166,13 +215,51 @@ def encode_flat(pos, new, old, count, width, prev, gaps, planes, plane_off):  # 
         prev = p
         if i == 0:
             first_len = g - start
-        _put_code(planes, plane_off + i, _zigzag(new[i], old[i], width), width)
-    return g, first_len
+        e = _put_value(nibs, i, exc, e, _zigzag(new[i], old[i], width))
+    return g, first_len, e
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def decode_gaps(gaps, start, end, count, numel, out_pos):  # pragma: no cover - compiled
-    """Parse ``count`` LEB128 gaps from ``gaps[start:end]`` into positions.
+def pack_nibbles(nibs, out):  # pragma: no cover - compiled
+    """``out[i] = nibs[2i] | nibs[2i+1] << 4``; a missing last high nibble is 0."""
+    n = nibs.shape[0]
+    for i in range(n // 2):
+        out[i] = nibs[2 * i] | (nibs[2 * i + 1] << np.uint8(4))
+    if n % 2:
+        out[n // 2] = nibs[n - 1]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _is_escape(packed, c):  # pragma: no cover - compiled
+    return np.int64(((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15)) == np.uint8(ESCAPE))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def count_escapes(packed, counts, out):  # pragma: no cover - compiled
+    """``out[t]`` = how many of tensor ``t``'s nibbles are ESCAPE; tensor ``t`` owns the
+    ``counts[t]`` nibbles after those of tensors ``0 … t-1``. Whole bytes are counted two
+    nibbles at a time (a loop the compiler vectorises)."""
+    c = 0
+    for t in range(counts.shape[0]):
+        end = c + counts[t]
+        e = 0
+        if c & 1 and c < end:  # a leading high nibble
+            e += _is_escape(packed, c)
+            c += 1
+        for i in range(c >> 1, end >> 1):
+            b = packed[i]
+            e += np.int64((b & np.uint8(15)) == np.uint8(ESCAPE)) + np.int64((b >> np.uint8(4)) == np.uint8(ESCAPE))
+        c = max(c, end & ~1)
+        if c < end:  # a trailing low nibble
+            e += _is_escape(packed, c)
+            c += 1
+        out[t] = e
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def decode_gaps(gaps, start, end, count, numel, out_pos, store=True):  # pragma: no cover - compiled
+    """Parse ``count`` LEB128 gaps from ``gaps[start:end]`` into positions (into ``out_pos``
+    when ``store``; without it, this only validates the stream).
 
     Returns the bytes consumed, or a negative error code: -1 truncated stream, -2 varint too
     long, -3 position out of range, -4 bytes left over.
@@ -198,7 +285,8 @@ def decode_gaps(gaps, start, end, count, numel, out_pos):  # pragma: no cover - 
         p = prev + 1 + np.int64(value)
         if p >= numel or p < 0:
             return -3
-        out_pos[i] = p
+        if store:
+            out_pos[i] = p
         prev = p
     if g != end:
         return -4
@@ -206,13 +294,23 @@ def decode_gaps(gaps, start, end, count, numel, out_pos):  # pragma: no cover - 
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def apply_flat(target, pos, planes, plane_off, count, width):  # pragma: no cover - compiled
-    """Write ``target[pos[i]] = unzigzag(old, code_i)`` for ``count`` validated positions."""
+def apply_flat(target, pos, packed, nib_off, exc, exc_off, count):  # pragma: no cover - compiled
+    """Write ``target[pos[i]] = unzigzag(old, code_i)`` for ``count`` validated positions.
+
+    Change ``i``'s nibble is nibble ``nib_off + i`` of ``packed``; escaped codes are read in
+    order from ``exc[:, exc_off:]``.
+    """
+    width = _width(target)
     bits = 8 * width
+    e = exc_off
     for i in range(count):
-        z = np.uint64(0)
-        for b in range(width):
-            z |= np.uint64(planes[b, plane_off + i]) << np.uint64(8 * b)
+        c = nib_off + i
+        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
+        if z == np.uint64(ESCAPE):
+            z = np.uint64(0)
+            for b in range(width):
+                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
+            e += 1
         j = pos[i]
         old = target[j]
         if width == 8:
@@ -220,13 +318,51 @@ def apply_flat(target, pos, planes, plane_off, count, width):  # pragma: no cove
         else:
             mod = np.int64(1) << bits
             zi = np.int64(z)
-            s = zi >> 1 if (zi & 1) == 0 else -((zi + 1) >> 1)
-            target[j] = (np.int64(old) + s) & (mod - 1)
+            sd = (zi >> 1) ^ -(zi & 1)  # zig-zag decode, branch-free
+            target[j] = (np.int64(old) + sd) & (mod - 1)
+    return count
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def apply_flat_gaps(target, gaps, start, count, packed, nib_off, exc, exc_off):  # pragma: no cover - compiled
+    """:func:`apply_flat` reading positions straight from the LEB128 gap stream at
+    ``gaps[start:]``, which :func:`decode_gaps` has validated: no position array is built."""
+    width = _width(target)
+    bits = 8 * width
+    e = exc_off
+    g = start
+    prev = np.int64(-1)
+    for i in range(count):
+        byte = np.uint64(gaps[g])
+        g += 1
+        value = byte & np.uint64(0x7F)
+        shift = np.uint64(7)
+        while byte >= np.uint64(0x80):
+            byte = np.uint64(gaps[g])
+            g += 1
+            value |= (byte & np.uint64(0x7F)) << shift
+            shift += np.uint64(7)
+        j = prev + 1 + np.int64(value)
+        prev = j
+        c = nib_off + i
+        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
+        if z == np.uint64(ESCAPE):
+            z = np.uint64(0)
+            for b in range(width):
+                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
+            e += 1
+        old = target[j]
+        if width == 8:
+            target[j] = old ^ z
+        else:
+            zi = np.int64(z)
+            sd = (zi >> 1) ^ -(zi & 1)
+            target[j] = (np.int64(old) + sd) & ((np.int64(1) << bits) - 1)
     return count
 
 
 def fused_cast_matches_torch() -> bool:
-    """Whether :func:`diff_cast_f32_bf16` reproduces this torch build's fp32 → bf16 cast."""
+    """Whether the kernels' fused fp32 → bf16 cast reproduces this torch build's cast."""
     import torch
 
     probe = torch.tensor(
@@ -237,70 +373,63 @@ def fused_cast_matches_torch() -> bool:
     snap = np.zeros(probe.numel(), np.uint16)
     n = probe.numel()
     pos, new, old = np.empty(n, np.int64), np.empty(n, np.uint16), np.empty(n, np.uint16)
-    diff_cast_f32_bf16(probe.view(torch.int32).numpy().view(np.uint32), snap, pos, new, old, 0)
+    diff_update(probe.view(torch.int32).numpy().view(np.uint32), snap, True, pos, new, old, 0)
     return bool(np.array_equal(snap, want))
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _cast_bf16(u):  # pragma: no cover - compiled
-    u = np.uint32(u)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16(0xFFFF)
-    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def diff_encode_flat(src, snap, fused_cast, width, gaps, planes):  # pragma: no cover - compiled
+def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - compiled
     """Diff one chunk and emit the ``flat`` encoding directly (no intermediate arrays).
 
-    ``src`` holds the current bits (already in the snapshot's dtype), or fp32 bits when
-    ``fused_cast`` (cast to bf16 on the fly). Changed elements update ``snap`` and append a
-    LEB128 gap (positions relative to the chunk, the first one from -1) to ``gaps`` and a
-    zig-zag code to ``planes[:, k]``. Returns ``(changes, gap bytes, bytes of the first
-    varint, first position, last position)`` so that chunks can be stitched into one
-    stream per tensor.
+    ``src`` and ``fused`` as in :func:`diff_update`. Changed elements update ``snap`` and
+    append a LEB128 gap (positions relative to the chunk, the first one from -1) to ``gaps``,
+    a value nibble to ``nibs`` (one per byte) and, for escaped codes, the whole code to
+    ``exc`` (``(width, n)`` byte planes). Returns ``(changes, gap bytes, exceptions, bytes of
+    the first varint, first position, last position)`` so that chunks can be stitched into
+    one stream per tensor.
     """
+    width = _width(snap)
     n = snap.shape[0]
     nblocks = (n + 63) // 64
-    one = np.uint64(1)
-    buf = np.empty(64, snap.dtype)
+    idx = np.empty(GROUP_BLOCKS * 64 + 4, np.int64)
+    cnt = 0
     k = 0
     g = 0
+    e = 0
     prev = np.int64(-1)
     first_len = 0
     first_pos = np.int64(-1)
     for b in range(nblocks):
         s = b * 64
-        e = min(n, s + 64)
-        m = np.uint64(0)
-        if fused_cast:
-            for i in range(e - s):
-                h = _cast_bf16(src[s + i])
-                buf[i] = h
-                m |= np.uint64(h != snap[s + i]) << np.uint64(i)
+        e_ = min(n, s + 64)
+        m = np.uint64(0)  # the block's change mask: branch-free, vectorised
+        if fused:
+            for i in range(e_ - s):
+                m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
         else:
-            for i in range(e - s):
-                h = src[s + i]
-                buf[i] = h
-                m |= np.uint64(h != snap[s + i]) << np.uint64(i)
-        if m == 0:
-            continue
-        while m:
-            i = np.int64(_cttz64(m))
-            m &= m - one
-            j = s + i
-            h = buf[i]
-            o = snap[j]
-            snap[j] = h
-            start = g
-            g = _put_varint(gaps, g, np.uint64(j - prev - 1))
-            if k == 0:
-                first_pos = j
-                first_len = g - start
-            prev = j
-            _put_code(planes, k, _zigzag(h, o, width), width)
-            k += 1
-    return k, g, first_len, first_pos, prev
+            for i in range(e_ - s):
+                m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+        cnt = _flatten(m, s, idx, cnt)
+        if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
+            if k == 0 and cnt > 0:
+                first_pos = idx[0]
+                first_len = _put_varint(gaps, 0, np.uint64(first_pos))
+            for q in range(cnt):
+                j = idx[q]
+                h = _load(src, j, fused)
+                o = np.uint64(snap[j])
+                snap[j] = h
+                gap = np.uint64(j - prev - 1)
+                prev = j
+                if gap < np.uint64(0x80):  # nearly always at RL densities: no loop
+                    gaps[g] = np.uint8(gap)
+                    g += 1
+                else:
+                    g = _put_varint(gaps, g, gap)
+                e = _put_value(nibs, k, exc, e, _zigzag(h, o, width))
+                k += 1
+            cnt = 0
+    return k, g, e, first_len, first_pos, prev
 
 
 def varint_bytes(value: int) -> bytes:
@@ -333,15 +462,20 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         n = 130
         new, snap = np.ones(n, dt), np.zeros(n, dt)
         pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
-        diff_and_update(new, snap.copy(), pos, nv, ov, 0)
-        gaps, planes = np.empty(n * 10, np.uint8), np.empty((w, n), np.uint8)
-        k, g, _, _, _ = diff_encode_flat(new, snap.copy(), False, w, gaps, planes)
-        encode_flat(pos, nv, ov, 0, w, -1, gaps, planes, 0)
+        diff_update(new, snap.copy(), False, pos, nv, ov, 0)
+        gaps, nibs, exc = np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((w, n), np.uint8)
+        k, g, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc)
+        encode_flat(pos, nv, ov, 0, -1, gaps, nibs, exc)
+        packed = np.zeros((k + 1) // 2, np.uint8)
+        pack_nibbles(nibs[:k], packed)
+        count_escapes(packed, np.array([k], np.int64), np.empty(1, np.int64))
         out = np.empty(k, np.int64)
-        decode_gaps(gaps, 0, g, k, n, out)
-        apply_flat(np.zeros(n, dt), out, planes, 0, k, w)
+        decode_gaps(gaps, 0, g, k, n, out, True)
+        decode_gaps(gaps, 0, g, k, n, out, False)
+        apply_flat(np.zeros(n, dt), out, packed, 0, exc, 0, k)
+        apply_flat_gaps(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0)
         if w == 2:
             src = np.ones(n, np.uint32)
-            diff_cast_f32_bf16(src, snap.copy(), pos, nv, ov, 0)
-            diff_encode_flat(src, snap.copy(), True, w, gaps, planes)
+            diff_update(src, snap.copy(), True, pos, nv, ov, 0)
+            diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc)
         _WARM.add(w)

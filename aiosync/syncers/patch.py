@@ -544,7 +544,7 @@ class PatchWeightSyncer(WeightSyncer):
             if isinstance(exc, ChecksumError) or not isinstance(exc, Exception):
                 raise
             raise ApplyError(f"writing the patch failed and was rolled back: {exc}") from exc
-        return sum(d.positions.numel() for d in decoded)
+        return sum(d.count for d in decoded)
 
     def _write_tensors(self, decoded, tensors, fast, done: list, journal: list | None) -> None:
         """Write every tensor: fallible torch writes first (recorded in ``done``), then the
@@ -591,8 +591,13 @@ def _warm_up_kernels(tensors: list[torch.Tensor]) -> None:
 
 def _apply_flat_cpu(t: torch.Tensor, d: DecodedTensor) -> None:
     """Numba fast path: write a validated flat patch into a contiguous CPU tensor."""
-    from .kernels import apply_flat
+    from .kernels import apply_flat, apply_flat_gaps
     from .snapshot import _np_bits
 
-    apply_flat(_np_bits(t.view(-1)), d.positions.numpy(), d.payload.numpy(), 0, d.positions.numel(),
-               t.element_size())
+    target = _np_bits(t.view(-1))
+    if d.gaps is not None:  # positions straight from the validated gap stream
+        apply_flat_gaps(target, d.gaps, d.gap_start, d.count, d.payload.numpy(), d.nib_off, d.exceptions.numpy(),
+                        d.exc_off)
+    else:
+        apply_flat(target, d.positions.numpy(), d.payload.numpy(), d.nib_off, d.exceptions.numpy(), d.exc_off,
+                   d.count)

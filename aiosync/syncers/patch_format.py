@@ -7,6 +7,8 @@ Two encodings share one container:
 * ``flat`` — per tensor, gaps between consecutive changed row-major positions, and values
   as zig-zag coded differences of bit patterns (new − old, modulo 2**bits) against the
   receiver's old values: a change of one unit in the last place costs one small symbol.
+  Codes below 15 travel as one nibble (two per byte); larger ones escape to a list of whole
+  codes. See docs/wire-format.md.
 
 Decoding validates everything before anything is written: ordinals in range and strictly
 increasing, counts that add up, positions inside each tensor, byte lengths that match.
@@ -16,7 +18,9 @@ Any violation is a :class:`aiosync.errors.PayloadError` naming the problem.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import PayloadError
@@ -128,45 +132,72 @@ def _on_cpu(diffs: list[TensorDiff]) -> bool:
 
 
 def _encode_flat(diffs: list[TensorDiff], layouts: list[TensorLayout]):
-    """Gap varints + planar zig-zag codes; numba on CPU, torch ops elsewhere."""
+    """Gap varints + value nibbles and exceptions; numba on CPU, torch ops elsewhere."""
     widths = [layouts[d.slot].elem_size for d in diffs]
-    group_n: dict[int, int] = {}
-    offs = []
-    for d, w in zip(diffs, widths):
-        offs.append(group_n.get(w, 0))
-        group_n[w] = group_n.get(w, 0) + d.nnz
-    device = diffs[0].positions.device
-    planes = {w: torch.empty((w, n), dtype=torch.uint8, device=device) for w, n in sorted(group_n.items())}
     if _on_cpu(diffs):
-        import numpy as np
-
         from .kernels import encode_flat
 
         def one(i):
             d = diffs[i]
-            buf = np.empty(d.nnz * 10, np.uint8)
-            nb, _ = encode_flat(d.positions.numpy(), _np_unsigned(d.new_bits), _np_unsigned(d.old_bits), d.nnz,
-                                widths[i], -1, buf, planes[widths[i]].numpy(), offs[i])
-            return torch.from_numpy(buf[:nb])
+            gaps, nibs = np.empty(d.nnz * 10, np.uint8), np.empty(d.nnz, np.uint8)
+            exc = np.empty((widths[i], d.nnz), np.uint8)
+            nb, _, e = encode_flat(d.positions.numpy(), _np_unsigned(d.new_bits), _np_unsigned(d.old_bits), d.nnz, -1,
+                                   gaps, nibs, exc)
+            return gaps[:nb], nibs, exc[:, :e]
 
-        gaps = list(_codec_pool().map(one, range(len(diffs)))) if len(diffs) > 1 else [one(0)]
+        parts = list(_codec_pool().map(one, range(len(diffs)))) if len(diffs) > 1 else [one(0)]
+        gaps = [torch.from_numpy(g) for g, _, _ in parts]
+        values = torch.from_numpy(flat_values([n for _, n, _ in parts], [x for _, _, x in parts], widths))
     else:
-        gaps = []
-        for d, w, off in zip(diffs, widths, offs):
+        gaps, nibs, excs = [], [], []
+        for d in diffs:
             prev = torch.cat([d.positions.new_full((1,), -1), d.positions[:-1]])
             gaps.append(varint_encode(d.positions - prev - 1))
             z = zigzag_delta(d.new_bits, d.old_bits).reshape(-1)
-            zu = z.view(torch.uint8).view(-1, w)  # little-endian bytes of each code
-            planes[w][:, off:off + d.nnz] = zu.t()
+            zu = z.to(torch.int64) & ((1 << (8 * z.element_size())) - 1) if z.element_size() < 8 else z
+            small = (zu >= 0) & (zu < ESCAPE)
+            nibs.append(torch.where(small, zu, ESCAPE).to(torch.uint8))
+            excs.append(z[~small].contiguous().view(torch.uint8).view(-1, z.element_size()).t())
+        values = flat_values_torch(nibs, excs, widths)
     gap_bytes = torch.tensor([g.numel() for g in gaps], dtype=torch.int64)
     cols = torch.cat(gaps) if gaps else torch.empty(0, dtype=torch.uint8)
-    values = torch.cat([p.reshape(-1) for p in planes.values()]) if planes else torch.empty(0, dtype=torch.uint8)
     return cols, values, gap_bytes
 
 
-def _np_unsigned(bits: torch.Tensor):
-    import numpy as np
+ESCAPE = 15  # the nibble of a value code that travels whole in the exception list
 
+
+def flat_values(nibbles: list, exceptions: list, widths: list[int]):
+    """The ``flat`` values stream from per-tensor nibbles (numpy uint8, one per change) and
+    exception planes (``(width, e)``): nibbles packed two per byte (low nibble first), then
+    the exceptions of each element width, widths ascending, byte-plane-wise."""
+    from .kernels import pack_nibbles
+
+    nibs = nibbles[0] if len(nibbles) == 1 else np.concatenate(nibbles)
+    packed = np.empty((nibs.size + 1) // 2, np.uint8)
+    pack_nibbles(nibs, packed)
+    out = [packed]
+    for w in sorted(set(widths)):
+        block = [x for x, wx in zip(exceptions, widths) if wx == w and x.shape[1]]
+        if block:
+            out.append((block[0] if len(block) == 1 else np.concatenate(block, axis=1)).reshape(-1))
+    return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+def flat_values_torch(nibbles: list[torch.Tensor], exceptions: list[torch.Tensor], widths: list[int]) -> torch.Tensor:
+    """:func:`flat_values` in torch ops (any device)."""
+    nibs = torch.cat(nibbles)
+    if nibs.numel() % 2:
+        nibs = torch.cat([nibs, nibs.new_zeros(1)])
+    out = [nibs[0::2] | (nibs[1::2] << 4)]
+    for w in sorted(set(widths)):
+        block = [x for x, wx in zip(exceptions, widths) if wx == w and x.shape[1]]
+        if block:
+            out.append(torch.cat(block, dim=1).reshape(-1))
+    return torch.cat(out)
+
+
+def _np_unsigned(bits: torch.Tensor):
     u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[bits.element_size()]
     return bits.contiguous().numpy().view(u)
 
@@ -189,20 +220,14 @@ def assemble_flat_patch(diffs: list[FlatDiff], layouts: list[TensorLayout], *, v
     """Build a ``flat`` patch from changes the builder already encoded (CPU fast path)."""
     if not diffs:
         return EmptyWeightPatch(version, base_version)
-    import numpy as np
-
-    by_width: dict[int, list] = {}
-    for d in diffs:
-        by_width.setdefault(layouts[d.slot].elem_size, []).append(d.planes)
-    planes = [np.concatenate(ps, axis=1).reshape(-1) if len(ps) > 1 else ps[0].reshape(-1)
-              for _, ps in sorted(by_width.items())]
+    values = flat_values([d.nibbles for d in diffs], [d.exceptions for d in diffs],
+                         [layouts[d.slot].elem_size for d in diffs])
     ordinals = torch.tensor([layouts[d.slot].ordinal for d in diffs], dtype=torch.int64)
     return WeightPatch(
         version=version, base_version=base_version, encoding="flat", delta_encoded=False,
         ordinals=downscale_nonnegative_indices(ordinals),
         nnz_per_tensor=downscale_nonnegative_indices(torch.tensor([d.nnz for d in diffs], dtype=torch.int64)),
-        rows=None, cols=torch.from_numpy(np.concatenate([d.gaps for d in diffs])),
-        values=torch.from_numpy(np.concatenate(planes) if len(planes) > 1 else planes[0]),
+        rows=None, cols=torch.from_numpy(np.concatenate([d.gaps for d in diffs])), values=torch.from_numpy(values),
         gap_bytes=downscale_nonnegative_indices(torch.tensor([d.gaps.size for d in diffs], dtype=torch.int64)),
     )
 
@@ -247,23 +272,59 @@ def encode_patch(diffs: list[TensorDiff], layouts: list[TensorLayout], *, versio
 class DecodedTensor:
     """One tensor's changes, validated.
 
-    ``positions`` are int64, strictly increasing, inside the tensor. ``payload`` is the new
-    bits (``coo``) or, for ``flat``, a ``(width, n)`` uint8 view of the zig-zag code planes.
+    ``positions`` are int64, strictly increasing, inside the tensor. For ``coo``,
+    ``payload`` holds the new bits. For ``flat``, ``payload`` is the patch's packed value
+    nibbles, of which this tensor's are ``nib_off …``; its escaped codes are
+    ``exceptions[:, exc_off:exc_off + n_exc]`` (byte planes). A ``flat`` tensor decoded on
+    CPU keeps its validated gap stream (``gaps[gap_start:]``) instead: the numba writer reads
+    positions straight from it, and ``positions`` is decoded only when asked for.
     """
 
     ordinal: int
-    positions: torch.Tensor
+    _positions: torch.Tensor | None
     payload: torch.Tensor
     is_delta: bool
+    nib_off: int = 0
+    exceptions: torch.Tensor | None = None
+    exc_off: int = 0
+    n_exc: int = 0
+    count: int = 0
+    gaps: Any = None  # numpy uint8 gap stream (CPU flat), else None
+    gap_start: int = 0
+    gap_end: int = 0
+
+    def __post_init__(self) -> None:
+        if self._positions is not None:
+            self.count = int(self._positions.numel())
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            from .kernels import decode_gaps
+
+            pos = np.empty(self.count, np.int64)
+            decode_gaps(self.gaps, self.gap_start, self.gap_end, self.count, np.iinfo(np.int64).max, pos, True)
+            self._positions = torch.from_numpy(pos)
+        return self._positions
+
+    def codes(self) -> torch.Tensor:
+        """The zig-zag value codes (int64, same device as the payload) of a ``flat`` tensor."""
+        n = self.count
+        c = self.nib_off + torch.arange(n, device=self.payload.device)
+        q = (self.payload[c >> 1].to(torch.int64) >> ((c & 1) * 4)) & 15
+        if self.n_exc:
+            planes = self.exceptions[:, self.exc_off:self.exc_off + self.n_exc].to(torch.int64)
+            whole = torch.zeros(self.n_exc, dtype=torch.int64, device=planes.device)
+            for b in range(planes.shape[0]):
+                whole |= planes[b] << (8 * b)
+            q[q == ESCAPE] = whole.to(q.device)
+        return q
 
     def new_bits(self, old_bits: torch.Tensor) -> torch.Tensor:
         """The bits to write, given the receiver's old bits at ``positions``."""
         if not self.is_delta:
             return self.payload.to(old_bits.device)
-        width = old_bits.element_size()
-        planes = self.payload.to(old_bits.device)
-        codes = planes.t().contiguous().view(BITS_DTYPES[width]).reshape(-1)
-        return unzigzag_apply(old_bits, codes)
+        return unzigzag_apply(old_bits, self.codes().to(old_bits.device))
 
 
 def _int_tensor(t, name: str) -> torch.Tensor:
@@ -298,7 +359,7 @@ def _check_header(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> tuple
     if not isinstance(values, torch.Tensor) or values.dtype != torch.uint8:
         raise PayloadError("patch values must be a uint8 tensor of raw bytes")
     want_bytes = sum(n * layouts[o].elem_size for o, n in zip(ords, counts))
-    if values.numel() != want_bytes:
+    if patch.encoding == "coo" and values.numel() != want_bytes:
         raise PayloadError(f"patch values hold {values.numel()} bytes, expected {want_bytes} (truncated or malformed)")
     return ords, counts
 
@@ -344,6 +405,9 @@ def decode_patch(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> list[D
     return out
 
 
+_NO_POSITIONS = np.empty(1, np.int64)  # decode_gaps needs an array even when it only validates
+
+
 _DECODE_ERRORS = {-1: "is truncated", -2: "holds a varint longer than 9 bytes",
                   -3: "points outside the tensor", -4: "has bytes left over (malformed)"}
 
@@ -358,48 +422,80 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
     gap_bytes = _int_tensor(patch.gap_bytes, "gap_bytes").cpu().tolist()
     if len(gap_bytes) != len(ords) or any(b < 0 for b in gap_bytes) or sum(gap_bytes) != cols.numel():
         raise PayloadError(f"flat patch gap_bytes {gap_bytes[:4]}... do not add up to its {cols.numel()} index bytes")
-    # value planes: one (width, n_w) block per element width, ascending
-    group_n: dict[int, int] = {}
-    offs = []
-    for o, n in zip(ords, counts):
-        w = layouts[o].elem_size
-        offs.append(group_n.get(w, 0))
-        group_n[w] = group_n.get(w, 0) + n
-    planes = {}
-    vstart = 0
     values = patch.values.reshape(-1)
-    for w, n in sorted(group_n.items()):
-        planes[w] = values[vstart:vstart + w * n].view(w, n)
-        vstart += w * n
+    nib_offs, exc, exc_offs, n_excs = _flat_value_layout(values, layouts, ords, counts)
     starts = [0]
     for b in gap_bytes:
         starts.append(starts[-1] + b)
     on_cpu = not cols.is_cuda
+    cols_np = cols.numpy() if on_cpu else None
 
     def one(i: int) -> DecodedTensor:
         o, n = ords[i], counts[i]
         lay = layouts[o]
         seg = cols[starts[i]:starts[i + 1]]
         if on_cpu:
-            import numpy as np
-
             from .kernels import decode_gaps
 
-            pos = np.empty(n, np.int64)
-            rc = decode_gaps(cols.numpy(), starts[i], starts[i + 1], n, lay.numel, pos)
+            rc = decode_gaps(cols_np, starts[i], starts[i + 1], n, lay.numel, _NO_POSITIONS, False)
             if rc < 0:
                 raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[rc]}")
-            positions = torch.from_numpy(pos)
-        else:
-            gaps = varint_decode(seg)
-            if gaps.numel() != n:
-                raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {gaps.numel()} gaps, expected {n}")
-            positions = torch.cumsum(gaps + 1, 0) - 1
-            if n and int(positions[-1]) >= lay.numel:
-                raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]}")
-        w = lay.elem_size
-        return DecodedTensor(o, positions, planes[w][:, offs[i]:offs[i] + n], True)
+            return DecodedTensor(o, None, values, True, nib_offs[i], exc[lay.elem_size], exc_offs[i], n_excs[i],
+                                 count=n, gaps=cols_np, gap_start=starts[i], gap_end=starts[i + 1])
+        gaps = varint_decode(seg)
+        if gaps.numel() != n:
+            raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {gaps.numel()} gaps, expected {n}")
+        positions = torch.cumsum(gaps + 1, 0) - 1
+        if n and int(positions[-1]) >= lay.numel:
+            raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]}")
+        return DecodedTensor(o, positions, values, True, nib_offs[i], exc[lay.elem_size], exc_offs[i], n_excs[i])
 
     if on_cpu and len(ords) > 1:
         return list(_codec_pool().map(one, range(len(ords))))
     return [one(i) for i in range(len(ords))]
+
+
+def _flat_value_layout(values: torch.Tensor, layouts, ords: list[int], counts: list[int], numba_counts: bool = True):
+    """Check the ``flat`` values stream's length against its escape nibbles; return each
+    tensor's nibble offset, the exception planes per width, each tensor's offset in them
+    and its number of escaped codes. Escapes are counted with numba on CPU
+    (``numba_counts``), else with torch ops."""
+    total = sum(counts)
+    packed_len = (total + 1) // 2
+    if values.numel() < packed_len:
+        raise PayloadError(f"flat patch values hold {values.numel()} bytes, fewer than the {packed_len} bytes of "
+                           f"nibbles its {total} changes need (truncated or malformed)")
+    nib_offs = [0]
+    for n in counts:
+        nib_offs.append(nib_offs[-1] + n)
+    if values.is_cuda or not numba_counts:
+        c = torch.arange(total, device=values.device)
+        esc = (((values[c >> 1].to(torch.int64) >> ((c & 1) * 4)) & 15) == ESCAPE).to(torch.int64)
+        cs = torch.cat([esc.new_zeros(1), torch.cumsum(esc, 0)])
+        bounds = torch.tensor(nib_offs, device=values.device)
+        n_excs = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
+    else:
+        from .kernels import count_escapes
+
+        out = np.empty(len(counts), np.int64)
+        count_escapes(values.numpy(), np.asarray(counts, np.int64), out)
+        n_excs = out.tolist()
+    if total % 2 and int(values[packed_len - 1]) >> 4:
+        raise PayloadError("flat patch values: the padding nibble after the last change is not zero (malformed)")
+    per_width: dict[int, int] = {}
+    exc_offs = []
+    for o, e in zip(ords, n_excs):
+        w = layouts[o].elem_size
+        exc_offs.append(per_width.get(w, 0))
+        per_width[w] = per_width.get(w, 0) + e
+    want = packed_len + sum(w * e for w, e in per_width.items())
+    if values.numel() != want:
+        raise PayloadError(f"flat patch values hold {values.numel()} bytes, expected {want} ({packed_len} of nibbles "
+                           "and the escaped codes they announce; truncated or malformed)")
+    exc = {}
+    start = packed_len
+    for w in sorted({layouts[o].elem_size for o in ords}):
+        e = per_width.get(w, 0)
+        exc[w] = values[start:start + w * e].view(w, e)
+        start += w * e
+    return nib_offs[:-1], exc, exc_offs, n_excs

@@ -80,7 +80,8 @@ class FlatDiff:
     slot: int
     nnz: int
     gaps: np.ndarray  # uint8 LEB128 varints, first gap from -1
-    planes: np.ndarray  # uint8 (width, nnz) zig-zag code planes
+    nibbles: np.ndarray  # uint8, one value nibble per change (packed two per byte on the wire)
+    exceptions: np.ndarray  # uint8 (width, escaped changes): whole zig-zag codes, byte-plane-wise
 
 
 def _diff_torch(new: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +120,10 @@ def _diff_torch(new: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, to
     ov = torch.cat([p[2] for p in parts])
     snap[pos] = nv
     return pos, nv, ov
+
+
+def _cat(parts: list[np.ndarray], axis: int = 0) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
 
 
 class Snapshot:
@@ -235,25 +240,30 @@ class Snapshot:
         return cache[key]
 
     def _chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
-        from .kernels import diff_and_update, diff_cast_f32_bf16
+        from .kernels import diff_update
 
         snap = self._snaps[slot]
         np_dtype = _NP_UINT[snap.element_size()]
         cast_buf, out_pos, out_new, out_old = self._buffers(snap.dtype, np_dtype)
-        piece = src_flat[start:end]
-        if (piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous()
-                and _fused_cast_ok()):
-            k = diff_cast_f32_bf16(_np_bits(piece), _np_bits(snap)[start:end], out_pos, out_new, out_old, start)
-            return (out_pos[:k].copy(), out_new[:k].copy(), out_old[:k].copy()) if k else None
-        if piece.dtype == snap.dtype and piece.is_contiguous():
-            new = piece
-        else:
-            new = cast_buf[: end - start]
-            new.copy_(piece)
-        k = diff_and_update(_np_bits(new), _np_bits(snap)[start:end], out_pos, out_new, out_old, start)
+        src, fused = self._source(src_flat[start:end], snap, cast_buf)
+        k = diff_update(src, _np_bits(snap)[start:end], fused, out_pos, out_new, out_old, start)
         if k == 0:
             return None
         return out_pos[:k].copy(), out_new[:k].copy(), out_old[:k].copy()
+
+    @staticmethod
+    def _source(piece: torch.Tensor, snap: torch.Tensor, cast_buf: torch.Tensor) -> tuple[np.ndarray, bool]:
+        """The kernel's view of a source chunk, and whether the kernel casts it (fp32 → bf16).
+
+        Other dtype pairs are cast by torch into ``cast_buf`` first.
+        """
+        if piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous() and _fused_cast_ok():
+            return _np_bits(piece), True
+        if piece.dtype == snap.dtype and piece.is_contiguous():
+            return _np_bits(piece), False
+        buf = cast_buf[: piece.numel()]
+        buf.copy_(piece)
+        return _np_bits(buf), False
 
     def _diff_cpu_numba(self, tensors: dict[int, torch.Tensor], slots: list[int]) -> list[TensorDiff]:
         tasks = []
@@ -309,14 +319,15 @@ class Snapshot:
         for i in sorted(per_slot):
             parts = per_slot[i]
             prev = -1
-            gap_parts, plane_parts, nnz = [], [], 0
-            for s, (k, gaps, first_len, first_pos, last_pos, planes) in parts:
+            gap_parts, nib_parts, exc_parts, nnz = [], [], [], 0
+            for s, (k, gaps, first_len, first_pos, last_pos, nibs, exc) in parts:
                 gap_parts.append(np.frombuffer(varint_bytes(s + first_pos - prev - 1), np.uint8))
                 gap_parts.append(gaps[first_len:])
-                plane_parts.append(planes)
+                nib_parts.append(nibs)
+                exc_parts.append(exc)
                 prev = s + last_pos
                 nnz += k
-            diffs.append(FlatDiff(i, nnz, np.concatenate(gap_parts), np.concatenate(plane_parts, axis=1)))
+            diffs.append(FlatDiff(i, nnz, np.concatenate(gap_parts), _cat(nib_parts), _cat(exc_parts, axis=1)))
         return diffs
 
     def _flat_chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
@@ -328,26 +339,17 @@ class Snapshot:
         if cache is None:
             cache = self._local.flat = {}
         if width not in cache:
-            cache[width] = (np.empty(self.chunk_elems * 10, np.uint8), np.empty((width, self.chunk_elems), np.uint8),
-                            {})
-        gaps, planes, casts = cache[width]
-        piece = src_flat[start:end]
-        fused = piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous() and _fused_cast_ok()
-        if fused:
-            src = _np_bits(piece)
-        elif piece.dtype == snap.dtype and piece.is_contiguous():
-            src = _np_bits(piece)
-        else:
-            if snap.dtype not in casts:
-                casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
-            buf = casts[snap.dtype][: end - start]
-            buf.copy_(piece)
-            src = _np_bits(buf)
-        k, g, first_len, first_pos, last_pos = diff_encode_flat(src, _np_bits(snap)[start:end], fused, width,
-                                                                gaps, planes)
+            n = self.chunk_elems
+            cache[width] = (np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8), {})
+        gaps, nibs, exc, casts = cache[width]
+        if snap.dtype not in casts:
+            casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
+        src, fused = self._source(src_flat[start:end], snap, casts[snap.dtype])
+        k, g, e, first_len, first_pos, last_pos = diff_encode_flat(src, _np_bits(snap)[start:end], fused, gaps, nibs,
+                                                                   exc)
         if k == 0:
             return None
-        return k, gaps[:g].copy(), first_len, first_pos, last_pos, planes[:, :k].copy()
+        return k, gaps[:g].copy(), first_len, first_pos, last_pos, nibs[:k].copy(), exc[:, :e].copy()
 
     # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
     def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:
