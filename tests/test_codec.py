@@ -708,3 +708,41 @@ def test_flat_values_malformed_nibbles_are_refused():
     ]:
         with pytest.raises(PayloadError):
             patch_format.decode_patch(dataclasses.replace(p, values=values), layouts)
+
+
+def test_count_escapes_matches_a_plain_count_at_every_nibble_alignment():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        counts = rng.integers(0, 9, int(rng.integers(1, 6))).astype(np.int64)
+        nibs = rng.choice([1, 2, 14, 15], int(counts.sum())).astype(np.uint8)
+        packed = np.zeros((nibs.size + 1) // 2, np.uint8)
+        kernels.pack_nibbles(nibs, packed)
+        out = np.empty(counts.size, np.int64)
+        kernels.count_escapes(packed, counts, out)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        assert out.tolist() == [int((nibs[a:a + n] == 15).sum()) for a, n in zip(starts, counts)]
+
+
+@pytest.mark.parametrize("dt", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_apply_from_gap_stream_equals_apply_from_positions(dt):
+    """The receiver's two numba writers (positions decoded first, or read from the gaps) agree."""
+    rng = np.random.default_rng(2)
+    n = 5000
+    old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
+    pos = np.sort(rng.choice(n, 700, replace=False)).astype(np.int64)
+    pos[-1] = n - 1
+    new = old.copy()
+    new[pos[:600]] += dt(1)  # small codes
+    new[pos[600:]] ^= rng.integers(1, np.iinfo(dt).max, 100, dtype=dt)  # mostly escapes
+    gaps, nibs = np.empty(pos.size * 10, np.uint8), np.empty(pos.size, np.uint8)
+    exc = np.empty((np.dtype(dt).itemsize, pos.size), np.uint8)
+    g, _, e = kernels.encode_flat(pos, new[pos], old[pos], pos.size, -1, gaps, nibs, exc)
+    packed = np.zeros((pos.size + 1) // 2, np.uint8)
+    kernels.pack_nibbles(nibs, packed)
+    a, b = old.copy(), old.copy()
+    kernels.apply_flat(a, pos, packed, 0, exc[:, :e], 0, pos.size)
+    kernels.apply_flat_gaps(b, gaps[:g], 0, pos.size, packed, 0, exc[:, :e], 0)
+    assert np.array_equal(a, new) and np.array_equal(b, new)
+    check = np.empty(pos.size, np.int64)
+    assert kernels.decode_gaps(gaps, 0, g, pos.size, n, check, True) == g and np.array_equal(check, pos)
+    assert kernels.decode_gaps(gaps, 0, g, pos.size, n - 1, check, False) == -3  # last position outside
