@@ -113,6 +113,8 @@ def _flatten(m, s, idx, cnt):  # pragma: no cover - compiled
 # (measured best between 16 and 32: large enough to amortise the switch, small enough that
 # the blocks' cache lines are still in L1).
 GROUP_BLOCKS = 16
+# The mask loop is written out in each kernel rather than shared: moved into a numba
+# ``inline="always"`` helper it was no longer vectorised (measured twice as slow).
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -401,13 +403,13 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - c
     first_pos = np.int64(-1)
     for b in range(nblocks):
         s = b * 64
-        e_ = min(n, s + 64)
+        end = min(n, s + 64)
         m = np.uint64(0)  # the block's change mask: branch-free, vectorised
         if fused:
-            for i in range(e_ - s):
+            for i in range(end - s):
                 m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
         else:
-            for i in range(e_ - s):
+            for i in range(end - s):
                 m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
