@@ -26,7 +26,8 @@ def test_bench_cli_small_run_writes_the_issue_schema(tmp_path, capsys):
     assert isinstance(report["changed"], int) and 0 < report["changed"] < report["elements"]
     assert report["density"] == pytest.approx(report["changed"] / report["elements"], rel=1e-3)
     assert 0.005 < report["density"] < 0.2  # the realistic update: a few percent of bf16 values move
-    assert report["clone_s"] > 0 and report["rounds"] == 2
+    assert report["clone_s"] > 0 and report["clone_recycled_s"] > 0 and report["rounds"] == 2
+    assert len(report["clone_rounds_s"]) == 5
     modes = {m["name"]: m for m in report["modes"]}
     assert list(modes) == ["patch-seed", "patch", "bucket"]
     for m in modes.values():

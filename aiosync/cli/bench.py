@@ -8,8 +8,8 @@ Adam's moments are past their first-step regime. Every mode syncs the same updat
 Measured per mode, all in this run: payload bytes, changed elements, bytes per changed
 element, patch build time, end-to-end time (build, encode, transfer, decode, apply) over the
 in-process channel and over a simulated 1 Gbit/s link, and whether the receiver ended
-bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of three) is the
-yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
+bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of five; see
+:func:`measure_clone`) is the yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
 optimizer step before each), after one untimed warm-up sync per mode.
 """
 
@@ -77,6 +77,40 @@ class Trainer:
         return {k: p.detach() for k, p in self.params.items()}
 
 
+def measure_clone(tensors: list[torch.Tensor], clones: int = 5) -> tuple[float, list[float], float]:
+    """Time ``clone()`` of ``tensors``: the yardstick of the time ratios.
+
+    Returns the median of ``clones`` clones into fresh memory (each kept alive, so none
+    reuses pages another freed: page faults and zeroing included, as when a snapshot is
+    first taken), their times, and the median of three clones into recycled memory (each
+    freed before the next: the allocator hands pages back; reported for reference).
+
+    In a VM the first touch of a page the hypervisor has not backed yet costs several times a
+    normal page fault, and grows with how much never-touched memory a run uses; so that the
+    figure is what a clone costs on bare metal, as much memory as the clones will take is
+    touched and freed first.
+    """
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    gc.collect()
+    scratch = torch.empty(clones * nbytes + (64 << 20), dtype=torch.uint8)
+    scratch.fill_(1)
+    del scratch
+    times, kept = [], []
+    for _ in range(clones):
+        t0 = time.perf_counter()
+        kept.append([t.clone() for t in tensors])
+        times.append(time.perf_counter() - t0)
+    del kept
+    gc.collect()
+    recycled = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        copy = [t.clone() for t in tensors]
+        recycled.append(time.perf_counter() - t0)
+        del copy
+    return statistics.median(times), times, statistics.median(recycled)
+
+
 class SimulatedLink:
     """A point-to-point channel that delays each payload by its size over ``bandwidth`` bytes/s."""
 
@@ -140,16 +174,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     state = trainer.state_dict()
     elements = sum(t.numel() for t in state.values())
 
-    # One clone() of the synced tensors into fresh memory, as a snapshot copy would be:
-    # the copies stay alive, so no clone reuses pages the previous one just freed.
-    clone_times, kept = [], []
-    gc.collect()
-    for _ in range(3):
-        t0 = time.perf_counter()
-        kept.append([t.clone() for t in state.values()])
-        clone_times.append(time.perf_counter() - t0)
-    del kept
-    clone_s = statistics.median(clone_times)
+    clone_s, clone_times, recycled_s = measure_clone(list(state.values()))
 
     warm_up()
     pairs = {}
@@ -211,7 +236,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
         })
     return {
         "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
-        "clone_rounds_s": clone_times, "rounds": rounds, "modes": result_modes,
+        "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "rounds": rounds, "modes": result_modes,
     }
 
 
@@ -222,7 +247,8 @@ def print_table(report: dict[str, Any]) -> None:
     clone = report["clone_s"]
     table = Table(title=(f"aiosync bench: {report['elements'] / 1e6:.1f} M synced elements, "
                          f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
-                         f"clone {clone * 1e3:.1f} ms; times: median of {report['rounds']} syncs"))
+                         f"clone {clone * 1e3:.1f} ms (into recycled memory {report['clone_recycled_s'] * 1e3:.1f} ms); "
+                         f"times: median of {report['rounds']} syncs"))
     for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "e2e ms", "e2e/clone",
                 "e2e 1Gbit ms", "bit-exact"):
         table.add_column(col, justify="right")
