@@ -257,7 +257,7 @@ def print_table(report: dict[str, Any]) -> None:
                       f"{m['build_s'] / clone:.2f}", f"{m['encode_s'] * 1e3:.1f}", f"{m['apply_s'] * 1e3:.1f}",
                       f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
                       f"{m['e2e_1gbit_s'] * 1e3:.1f}", "yes" if m["bit_exact"] else "NO")
-    console = Console(width=max(Console().width, 130))
+    console = Console(width=max(Console().width, 160))
     console.print(table)
     by = {m["name"]: m for m in report["modes"]}
     if "patch" in by and "bucket" in by:
