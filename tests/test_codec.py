@@ -339,20 +339,23 @@ def test_fused_flat_builder_matches_torch_reference(snap_dtype):
     """diff_flat (numba, chunk-stitched gap stream) == torch diff + varint_encode + zigzag_delta."""
     g = torch.Generator().manual_seed(4)
     src_dtype = torch.float32 if snap_dtype.is_floating_point else snap_dtype
+    shapes = [(2000,), (3, 50), (7,), (), (40,), (2, 3)]  # the small ones share tasks
     if src_dtype.is_floating_point:
-        base = [torch.randn(2000, generator=g), torch.randn(3, 50, generator=g)]
+        base = [torch.randn(sh, generator=g) for sh in shapes]
     else:
-        base = [torch.randint(0, 200, (2000,), generator=g).to(src_dtype),
-                torch.randint(0, 200, (3, 50), generator=g).to(src_dtype)]
+        base = [torch.randint(0, 200, sh, generator=g).to(src_dtype) for sh in shapes]
     fused = Snapshot(chunk_elems=192, workers=2)
     ref = Snapshot(kernel="torch")
-    fused.load(base, [snap_dtype] * 2)
-    ref.load(base, [snap_dtype] * 2)
+    fused.load(base, [snap_dtype] * len(shapes))
+    ref.load(base, [snap_dtype] * len(shapes))
     cur = [t.clone() for t in base]
     # changes at chunk borders, long gaps across chunks (> 127: multi-byte varints), first/last
     idx0 = torch.tensor([0, 191, 192, 193, 383, 384, 1500, 1999])
     change(cur[0], idx0, g)
     change(cur[1], torch.tensor([0, 149]), g)
+    for t in cur[2:]:
+        change(t, torch.tensor(sorted({0, t.numel() - 1})), g, nudge=False)
+    cur[4].view(-1)[17:20] = cur[4].view(-1)[17:20] + 1  # a run of changes mid-tensor
     flat = fused.diff_flat(cur)
     tdiff = ref.diff(cur)
     assert [d.slot for d in flat] == [d.slot for d in tdiff]
@@ -365,7 +368,8 @@ def test_fused_flat_builder_matches_torch_reference(snap_dtype):
         assert f.nibbles.tolist() == [min(v, 15) for v in z]
         assert f.exceptions.shape == (w, sum(v >= 15 for v in z))
         assert [int.from_bytes(bytes(col), "little") for col in f.exceptions.T.tolist()] == [v for v in z if v >= 15]
-    for i in range(2):
+    assert 4 in {d.slot for d in flat}  # small tensors sharing a task are diffed too
+    for i in range(len(shapes)):
         assert torch.equal(bits(fused.tensor(i)), bits(ref.tensor(i)))
     fused.close()
     ref.close()

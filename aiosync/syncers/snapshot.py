@@ -30,7 +30,7 @@ _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype whose elements hold the raw bits of ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size not in BITS_DTYPES:
         raise ValueError(f"dtype {dtype} ({size} bytes per element) is not supported by patch mode")
     return BITS_DTYPES[size]
@@ -134,7 +134,7 @@ class Snapshot:
     everywhere; used by tests to exercise the GPU algorithm on CPU).
     """
 
-    def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 21,
+    def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 22,
                  workers: int | None = None, kernel: str = "auto") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -293,26 +293,43 @@ class Snapshot:
 
     # CPU: diff and ``flat`` encoding fused in one pass ------------------------
     def diff_flat(self, tensors: list[torch.Tensor], slots: list[int] | None = None) -> list["FlatDiff"]:
-        """Like :meth:`diff` for CPU tensors, but emit the ``flat`` wire encoding directly."""
+        """Like :meth:`diff` for CPU tensors, but emit the ``flat`` wire encoding directly.
+
+        Work is cut into tasks of about ``chunk_elems`` elements: large tensors are split,
+        small consecutive ones share a task (per-task Python costs about as much as the
+        kernel spends on a few hundred thousand elements).
+        """
         slots = list(range(len(tensors))) if slots is None else slots
         self.wait_writeback()
-        tasks = []
-        flats = {}
+        sources: dict[int, tuple] = {}
+        tasks: list[list[tuple[int, int, int]]] = [[]]
+        filled = 0
         for i, t in zip(slots, tensors):
             if t.is_cuda or self._snaps[i].is_cuda:
                 raise ValueError("diff_flat works on CPU tensors and snapshots; use diff() for CUDA")
-            flats[i] = t.detach().reshape(-1)
-            if flats[i].numel() != self._snaps[i].numel():
-                raise ValueError(f"slot {i}: tensor has {flats[i].numel()} elements, snapshot has {self._snaps[i].numel()}")
-            n = flats[i].numel()
-            for s in range(0, n, self.chunk_elems):
-                tasks.append((i, s, min(n, s + self.chunk_elems)))
-        run = (lambda t: self._flat_chunk(flats[t[0]], *t))
-        outs = list(self._pool_get().map(run, tasks)) if len(tasks) > 1 and self.workers > 1 else [run(t) for t in tasks]
+            flat = t.detach().reshape(-1)
+            snap = self._snaps[i]
+            if flat.numel() != snap.numel():
+                raise ValueError(f"slot {i}: tensor has {flat.numel()} elements, snapshot has {snap.numel()}")
+            sources[i] = (flat, _np_bits(snap), *self._kernel_source(flat, snap))
+            n = flat.numel()
+            for start in range(0, n, self.chunk_elems):
+                end = min(n, start + self.chunk_elems)
+                if filled and filled + end - start > self.chunk_elems:
+                    tasks.append([])
+                    filled = 0
+                tasks[-1].append((i, start, end))
+                filled += end - start
+        tasks = [t for t in tasks if t]
+        run = (lambda task: [self._flat_segment(sources[i], i, start, end) for i, start, end in task])
+        if len(tasks) > 1 and self.workers > 1:
+            outs = [out for done in self._pool_get().map(run, tasks) for out in done]
+        else:
+            outs = [out for task in tasks for out in run(task)]
         per_slot: dict[int, list] = {}
-        for (i, s, _), out in zip(tasks, outs):
+        for (i, start, _), out in zip((seg for task in tasks for seg in task), outs):
             if out is not None:
-                per_slot.setdefault(i, []).append((s, out))
+                per_slot.setdefault(i, []).append((start, out))
         from .kernels import varint_bytes
 
         diffs = []
@@ -320,33 +337,54 @@ class Snapshot:
             parts = per_slot[i]
             prev = -1
             gap_parts, nib_parts, exc_parts, nnz = [], [], [], 0
-            for s, (k, gaps, first_len, first_pos, last_pos, nibs, exc) in parts:
-                gap_parts.append(np.frombuffer(varint_bytes(s + first_pos - prev - 1), np.uint8))
-                gap_parts.append(gaps[first_len:])
+            for start, (k, gaps, first_len, first_pos, last_pos, nibs, exc) in parts:
+                if start == 0:  # the chunk's first gap is already relative to -1
+                    gap_parts.append(gaps)
+                else:
+                    gap_parts.append(np.frombuffer(varint_bytes(start + first_pos - prev - 1), np.uint8))
+                    gap_parts.append(gaps[first_len:])
                 nib_parts.append(nibs)
                 exc_parts.append(exc)
-                prev = s + last_pos
+                prev = start + last_pos
                 nnz += k
-            diffs.append(FlatDiff(i, nnz, np.concatenate(gap_parts), _cat(nib_parts), _cat(exc_parts, axis=1)))
+            diffs.append(FlatDiff(i, nnz, _cat(gap_parts), _cat(nib_parts), _cat(exc_parts, axis=1)))
         return diffs
 
-    def _flat_chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
+    @staticmethod
+    def _kernel_source(flat: torch.Tensor, snap: torch.Tensor) -> tuple[np.ndarray | None, bool]:
+        """The kernel's view of a whole source tensor and whether the kernel casts it
+        (fp32 → bf16); ``None`` when torch must cast it chunk by chunk first."""
+        if flat.dtype == torch.float32 and snap.dtype == torch.bfloat16 and flat.is_contiguous() and _fused_cast_ok():
+            return _np_bits(flat), True
+        if flat.dtype == snap.dtype and flat.is_contiguous():
+            return _np_bits(flat), False
+        return None, False
+
+    def _flat_segment(self, source: tuple, slot: int, start: int, end: int):
+        """Diff and encode elements ``[start, end)`` of one tensor (in a worker thread)."""
         from .kernels import diff_encode_flat
 
-        snap = self._snaps[slot]
-        width = snap.element_size()
+        flat, snap_np, src_np, fused = source
+        width = snap_np.itemsize
         cache = getattr(self._local, "flat", None)
         if cache is None:
             cache = self._local.flat = {}
         if width not in cache:
             n = self.chunk_elems
-            cache[width] = (np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8), {})
+            # varint bytes of a chunk <= changes + (sum of gaps) / 128 + 9 <= n + n // 128 + 9
+            cache[width] = (np.empty(n + n // 64 + 16, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8),
+                            {})
         gaps, nibs, exc, casts = cache[width]
-        if snap.dtype not in casts:
-            casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
-        src, fused = self._source(src_flat[start:end], snap, casts[snap.dtype])
-        k, g, e, first_len, first_pos, last_pos = diff_encode_flat(src, _np_bits(snap)[start:end], fused, gaps, nibs,
-                                                                   exc)
+        if src_np is None:  # torch casts this chunk into a scratch buffer first
+            snap_dtype = self._snaps[slot].dtype
+            if snap_dtype not in casts:
+                casts[snap_dtype] = torch.empty(self.chunk_elems, dtype=snap_dtype)
+            buf = casts[snap_dtype][: end - start]
+            buf.copy_(flat[start:end])
+            src = _np_bits(buf)
+        else:
+            src = src_np[start:end]
+        k, g, e, first_len, first_pos, last_pos = diff_encode_flat(src, snap_np[start:end], fused, gaps, nibs, exc)
         if k == 0:
             return None
         return k, gaps[:g].copy(), first_len, first_pos, last_pos, nibs[:k].copy(), exc[:, :e].copy()
