@@ -334,9 +334,11 @@ def test_snapshot_torch_kernel_matches_numba(src_dtype, snap_dtype):
     b.close()
 
 
-@pytest.mark.parametrize("snap_dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("snap_dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8])
 def test_fused_flat_builder_matches_torch_reference(snap_dtype):
-    """diff_flat (numba, chunk-stitched gap stream) == torch diff + varint_encode + zigzag_delta."""
+    """diff_flat (numba, chunk-stitched gap stream) == torch diff + varint_encode + zigzag_delta.
+
+    fp32 sources: bf16 snapshots take the fused cast, fp16 ones a torch cast per chunk."""
     g = torch.Generator().manual_seed(4)
     src_dtype = torch.float32 if snap_dtype.is_floating_point else snap_dtype
     shapes = [(2000,), (3, 50), (7,), (), (40,), (2, 3)]  # the small ones share tasks

@@ -253,17 +253,16 @@ class Snapshot:
 
     @staticmethod
     def _source(piece: torch.Tensor, snap: torch.Tensor, cast_buf: torch.Tensor) -> tuple[np.ndarray, bool]:
-        """The kernel's view of a source chunk, and whether the kernel casts it (fp32 → bf16).
+        """The kernel's view of a source chunk and whether the kernel casts it (fp32 → bf16).
 
         Other dtype pairs are cast by torch into ``cast_buf`` first.
         """
-        if piece.dtype == torch.float32 and snap.dtype == torch.bfloat16 and piece.is_contiguous() and _fused_cast_ok():
-            return _np_bits(piece), True
-        if piece.dtype == snap.dtype and piece.is_contiguous():
-            return _np_bits(piece), False
-        buf = cast_buf[: piece.numel()]
-        buf.copy_(piece)
-        return _np_bits(buf), False
+        src, fused = Snapshot._kernel_source(piece, snap)
+        if src is None:
+            buf = cast_buf[: piece.numel()]
+            buf.copy_(piece)
+            src = _np_bits(buf)
+        return src, fused
 
     def _diff_cpu_numba(self, tensors: dict[int, torch.Tensor], slots: list[int]) -> list[TensorDiff]:
         tasks = []
@@ -376,12 +375,10 @@ class Snapshot:
                             {})
         gaps, nibs, exc, casts = cache[width]
         if src_np is None:  # torch casts this chunk into a scratch buffer first
-            snap_dtype = self._snaps[slot].dtype
-            if snap_dtype not in casts:
-                casts[snap_dtype] = torch.empty(self.chunk_elems, dtype=snap_dtype)
-            buf = casts[snap_dtype][: end - start]
-            buf.copy_(flat[start:end])
-            src = _np_bits(buf)
+            snap = self._snaps[slot]
+            if snap.dtype not in casts:
+                casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
+            src, fused = self._source(flat[start:end], snap, casts[snap.dtype])
         else:
             src = src_np[start:end]
         k, g, e, first_len, first_pos, last_pos = diff_encode_flat(src, snap_np[start:end], fused, gaps, nibs, exc)
