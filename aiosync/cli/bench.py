@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import torch
 
+from ..aio import run_sync
 from ..configs import load_config
 from ..syncers import WeightSyncer
 from ..syncers.kernels import warm_up
@@ -142,6 +143,11 @@ def mode_config(name: str) -> dict[str, Any]:
     return cfg
 
 
+def count_changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> int:
+    """Elements whose bits differ between two states of the receiver."""
+    return sum(int((as_bits(before[k]) != as_bits(after[k])).sum()) for k in after)
+
+
 def bit_exact(sender: dict[str, torch.Tensor], receiver: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(as_bits(sender[k].to(receiver[k].dtype)), as_bits(receiver[k])) for k in sender)
 
@@ -166,17 +172,17 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     over the timed in-process rounds.
     """
     task = progress.add_task("building model and warm-up steps", total=warmup + 1)
-    trainer = Trainer(transformer_state(n_elements, d_model, vocab, seed), lr, seed)
+    trainer = await run_sync(lambda: Trainer(transformer_state(n_elements, d_model, vocab, seed), lr, seed))
     progress.advance(task)
     for _ in range(warmup):
-        trainer.step()
+        await run_sync(trainer.step)
         progress.advance(task)
     state = trainer.state_dict()
     elements = sum(t.numel() for t in state.values())
 
-    clone_s, clone_times, recycled_s = measure_clone(list(state.values()))
+    clone_s, clone_times, recycled_s = await run_sync(measure_clone, list(state.values()))
 
-    warm_up()
+    await run_sync(warm_up)
     pairs = {}
     task = progress.add_task("init sync (bootstrap) per mode", total=len(modes))
     for name in modes:
@@ -199,23 +205,23 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     task = progress.add_task(f"optimizer step, then one sync per mode ({rounds} timed rounds + warm-up + 1 Gbit/s)",
                              total=len(plan) * len(modes))
     for phase, bandwidth in plan:
-        trainer.step()
+        await run_sync(trainer.step)
         version += 1
         counted = False
         for name in modes:
             s, r, receiver = pairs[name]
             before = None
             if phase == "e2e_s" and not counted and name.startswith("patch"):
-                before = {k: v.clone() for k, v in receiver.items()}
+                before = await run_sync(lambda rx=receiver: {k: v.clone() for k, v in rx.items()})
             e2e, nbytes, stats = await _one_sync(s, r, state, receiver, SimulatedLink(bandwidth), version)
-            exact[name] = exact[name] and bit_exact(state, receiver)
+            exact[name] = exact[name] and await run_sync(bit_exact, state, receiver)
             row = samples[name]
             if phase == "e2e_s":
                 for key, value in (("e2e_s", e2e), ("bytes", nbytes), ("build_s", stats.get("build_s", stats.get("sync_s", 0.0))),
                                    ("encode_s", stats.get("encode_s", 0.0)), ("apply_s", stats["apply_s"])):
                     row.setdefault(key, []).append(value)
                 if before is not None:
-                    changed_total += sum(int((as_bits(before[k]) != as_bits(receiver[k])).sum()) for k in receiver)
+                    changed_total += await run_sync(count_changed, before, receiver)
                     counted = True
                     del before
             elif phase == "e2e_1gbit_s":
