@@ -68,3 +68,12 @@ def test_transformer_state_has_about_the_requested_size():
     assert math.isclose(n, 2_000_000, rel_tol=0.1)
     assert all(t.dtype == torch.float32 for t in sd.values())
     assert any(k.endswith("attn.q.weight") for k in sd) and "embed.weight" in sd
+
+
+def test_bench_counts_changes_with_bucket_mode_alone(tmp_path):
+    out = tmp_path / "bucket.json"
+    assert main(["bench", *SMALL, "--modes", "bucket", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (bucket,) = report["modes"]
+    assert report["changed"] > 0 and bucket["bit_exact"] is True
+    assert math.isfinite(bucket["bytes_per_changed"]) and bucket["bytes_per_changed"] > 2 / report["density"] * 0.9
