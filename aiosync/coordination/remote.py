@@ -435,12 +435,10 @@ async def _refuse(mux: Mux, reason: str) -> None:
 
 
 async def _attach(sync: Any, mux: Mux, hello: Hello, scope: anyio.CancelScope, tg: Any) -> RemoteExplorerHandle | None:
-    cfg = sync.config
     if hello.protocol != PROTOCOL:
         await _refuse(mux, f"protocol {hello.protocol} is not supported (this synchronizer speaks {PROTOCOL})")
         return None
     await sync._trainer_attached.wait()
-    trainer = sync.trainer
     if hello.name in sync.explorers or hello.name in sync._joining:
         await _refuse(mux, f"an explorer named {hello.name!r} is already attached")
         return None

@@ -26,7 +26,7 @@ import torch
 from ..errors import PayloadError
 from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
 from .payloads import EmptyWeightPatch, WeightPatch
-from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff
+from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff, _np_bits
 
 _WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
 
@@ -141,8 +141,8 @@ def _encode_flat(diffs: list[TensorDiff], layouts: list[TensorLayout]):
             d = diffs[i]
             gaps, nibs = np.empty(d.nnz * 10, np.uint8), np.empty(d.nnz, np.uint8)
             exc = np.empty((widths[i], d.nnz), np.uint8)
-            nb, _, e = encode_flat(d.positions.numpy(), _np_unsigned(d.new_bits), _np_unsigned(d.old_bits), d.nnz, -1,
-                                   gaps, nibs, exc)
+            new, old = _np_bits(d.new_bits.contiguous()), _np_bits(d.old_bits.contiguous())
+            nb, _, e = encode_flat(d.positions.numpy(), new, old, d.nnz, -1, gaps, nibs, exc)
             return gaps[:nb], nibs, exc[:, :e]
 
         parts = list(_codec_pool().map(one, range(len(diffs)))) if len(diffs) > 1 else [one(0)]
@@ -195,11 +195,6 @@ def flat_values_torch(nibbles: list[torch.Tensor], exceptions: list[torch.Tensor
         if block:
             out.append(torch.cat(block, dim=1).reshape(-1))
     return torch.cat(out)
-
-
-def _np_unsigned(bits: torch.Tensor):
-    u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[bits.element_size()]
-    return bits.contiguous().numpy().view(u)
 
 
 _POOL = None
