@@ -73,3 +73,20 @@ class StateTransitionError(AiosyncError, RuntimeError):
 
 class TransportError(AiosyncError, ConnectionError):
     """A transport failed to deliver a payload (a broken link, or a failure injected on purpose)."""
+
+
+class DriftError(PayloadError):
+    """The receiver's old values at a patch's changed positions are not the ones the sender
+    built the patch on (they were written behind aiosync's back, or a delivery was lost):
+    refused before anything was written; the link re-bootstraps the receiver."""
+
+
+class DrainError(AiosyncError, RuntimeError):
+    """Leaving a :class:`aiosync.Synchronizer` could not bring every explorer to the trainer's
+    last published version. ``explorers`` maps each explorer that was not served to the
+    version it holds (``None``: none)."""
+
+    def __init__(self, message: str, *, explorers: dict[str, int | None], target: int | None):
+        super().__init__(message)
+        self.explorers = explorers
+        self.target = target

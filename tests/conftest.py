@@ -1,8 +1,12 @@
 """Shared test setup.
 
-Every async test runs twice: under the default asyncio event loop and under uvloop (S13),
-through pytest-asyncio's ``pytest_asyncio_loop_factories`` hook. Set
-``AIOSYNC_TEST_LOOPS=asyncio`` (or ``uvloop``) to run one of them only.
+Async tests run under the default asyncio event loop. Tests whose outcome depends on the
+event loop — the runtime's cancellation, repair, drain and timing paths — are marked
+``@pytest.mark.both_loops`` (or ``pytestmark = pytest.mark.both_loops`` for a whole module) and
+run twice: under asyncio and under uvloop (S13), through pytest-asyncio's
+``pytest_asyncio_loop_factories`` hook. Pure codec round trips run once: the loop does not
+matter there. ``AIOSYNC_TEST_LOOPS=asyncio,uvloop`` (or one of them) forces that set on every
+async test.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def _loop_factories() -> dict:
 
 
 def pytest_asyncio_loop_factories(config, item):
-    """Run each async test under every available event loop implementation."""
-    return _loop_factories()
+    """asyncio for every async test; every available loop for ``both_loops`` tests."""
+    factories = _loop_factories()
+    if os.environ.get("AIOSYNC_TEST_LOOPS") or item.get_closest_marker("both_loops") is not None:
+        return factories
+    return {"asyncio": factories.get("asyncio", asyncio.new_event_loop)}
 

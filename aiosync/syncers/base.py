@@ -17,13 +17,39 @@ Receiver side::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..transports.base import RecvFn, SendFn
+from ..messages import RecvFn, SendFn
 from .config import CommOptions, WeightSyncerConfig
+
+
+@dataclass(eq=False)
+class StagedWrite:
+    """One sync, received and validated but not yet written (F3: staging).
+
+    Made by :meth:`WeightSyncer.stage` *outside* the receiver's exclusive section: downloading,
+    decompressing and validating happen while rollouts keep reading the model. Only
+    :attr:`write` runs inside it.
+
+    * ``version`` — the version the write brings.
+    * ``write(model, rollback=True)`` — writes it (and a bootstrap staged by
+      :meth:`WeightSyncer.stage_init` before it, if any) and returns ``version``. With
+      ``rollback`` the write is all-or-nothing: on any exception, or cancellation, nothing of it
+      stays written. ``rollback=False`` (the model holds no valid version yet, so there is
+      nothing to protect) lets a failure leave partial writes and saves the journal.
+    * ``nbytes`` — bytes received; ``changed`` — elements the write changes, when known;
+      ``stage_s`` — seconds spent staging.
+    """
+
+    version: int
+    write: Callable[..., Awaitable[int]]
+    nbytes: int = 0
+    changed: int | None = None
+    stage_s: float = 0.0
 
 
 class WeightSyncer(ABC):
@@ -36,6 +62,11 @@ class WeightSyncer(ABC):
     #: (patch mode: 1); ``None`` when it varies (bucket mode). Lets a caller refuse a
     #: truncated or padded delivery before ``apply`` writes anything.
     payloads_per_sync: int | None = None
+    #: ``True`` when :meth:`stage_init` and :meth:`stage` are implemented: the receiver downloads
+    #: and validates outside its exclusive section and holds the model only to write (F3).
+    #: Without them, a synchronizer runs ``init_receiver`` / ``apply`` inside the exclusive
+    #: section, with a backup of the model for rollback.
+    supports_staging: bool = False
 
     def __init__(self, *, use_ring_sync: bool = False, nccl_max_ctas: int | None = None,
                  nccl_min_ctas: int | None = None) -> None:
@@ -84,6 +115,19 @@ class WeightSyncer(ABC):
     @abstractmethod
     async def apply(self, model: torch.nn.Module | Mapping[str, torch.Tensor], recv: RecvFn) -> int:
         """Receive one sync and write it into ``model``; return the version actually applied."""
+
+    async def stage_init(self, state_dict: Mapping[str, torch.Tensor], recv: RecvFn, send: SendFn) -> None:
+        """:meth:`init_receiver` without writing: the init conversation runs and a bootstrap is
+        received and validated, but it is written only by the :class:`StagedWrite` of the next
+        :meth:`stage`. ``state_dict`` is only read. Needs :attr:`supports_staging`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support staging")
+
+    async def stage(self, model: torch.nn.Module | Mapping[str, torch.Tensor], recv: RecvFn) -> StagedWrite:
+        """Receive and validate one sync without writing anything; returns the
+        :class:`StagedWrite` that writes it. Refusals (:class:`~aiosync.errors.PayloadError`,
+        :class:`~aiosync.errors.VersionError`, ...) are raised here, before any write. ``model``
+        is only read. Needs :attr:`supports_staging`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support staging")
 
 
 async def recv_with_timeout(recv: RecvFn, timeout: float | None, what: str) -> Any:

@@ -1,0 +1,127 @@
+"""Helpers shared by the tests: one home for the toy policy, bit comparisons, the syncer
+configs the tests use, a hang guard and a gate for holding messages.
+
+The toy policy's weights are a pure function of the version, so every check is bit-exact and
+a torn (or wrong) read is detectable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import anyio
+import torch
+
+from aiosync.transports.base import Transport
+from aiosync.transports.inproc import inproc_pair
+
+#: Seconds: only catches hangs, never measures speed.
+HANG_GUARD = 30.0
+
+#: The syncer configs most runtime tests use.
+PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
+PATCH_COO = {"type": "patch", "patch": {"encoding": "coo", "compression": "none", "init_sync": {"enabled": True}}}
+BUCKET = {"type": "bucket", "bucket": {"bucket_size": 512}}
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits as integers of the same width (bool → uint8), for bit-exact comparisons."""
+    return t.detach().contiguous().view(_BITS[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN equal to itself, 0.0 unequal to -0.0)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# ------------------------------------------------------------------ the toy policy
+
+def weights(v: int) -> dict[str, torch.Tensor]:
+    """The trainer's state at version ``v``: fp32 weights and bias, an int64 version stamp."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 16, generator=g)
+    b = torch.randn(16, generator=g)
+    return {"w": w + 0.25 * v, "b": b - 0.5 * v, "stamp": torch.tensor(v, dtype=torch.int64)}
+
+
+def trainer_state() -> dict[str, torch.Tensor]:
+    return weights(0)
+
+
+def rollout_model() -> dict[str, torch.Tensor]:
+    """The explorer's copy: bf16 weights (a cast receiver), fp32 bias, int64 stamp."""
+    return {"w": torch.zeros(24, 16, dtype=torch.bfloat16), "b": torch.zeros(16), "stamp": torch.tensor(-1)}
+
+
+def holds(model: dict[str, torch.Tensor], v: int) -> bool:
+    """Bit-exact: the model holds version ``v`` cast to its own dtypes."""
+    return all(torch.equal(model[k], t.to(model[k].dtype)) for k, t in weights(v).items())
+
+
+def train_to(state: dict[str, torch.Tensor], v: int) -> None:
+    """Move the trainer's tensors to version ``v`` in place."""
+    for k, t in weights(v).items():
+        state[k].copy_(t)
+
+
+# ------------------------------------------------------------------ holding messages
+
+class Gate:
+    """Holds the messages a :class:`GatedTransport` sends while closed.
+
+    ``blocked`` is set when a message waits at the gate; tests wait for it (an event, no
+    polling), then assert, then :meth:`open`.
+    """
+
+    def __init__(self) -> None:
+        self.opened = anyio.Event()
+        self.opened.set()
+        self.blocked = anyio.Event()
+
+    def close(self) -> None:
+        self.opened = anyio.Event()
+        self.blocked = anyio.Event()
+
+    def open(self) -> None:
+        self.opened.set()
+
+    async def wait_blocked(self, timeout: float = HANG_GUARD) -> None:
+        """Wait until a message is held at the gate."""
+        with anyio.fail_after(timeout):
+            await self.blocked.wait()
+
+
+class GatedTransport(Transport):
+    """A transport end whose sends of messages selected by ``holds(msg)`` wait at ``gate``."""
+
+    def __init__(self, inner: Transport, gate: Gate, holds: Callable[[Any], bool]) -> None:
+        self.inner, self.gate, self.holds = inner, gate, holds
+
+    async def send(self, payload: Any) -> None:
+        if self.holds(payload) and not self.gate.opened.is_set():
+            self.gate.blocked.set()
+            await self.gate.opened.wait()
+        await self.inner.send(payload)
+
+    async def recv(self) -> Any:
+        return await self.inner.recv()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def gated(gate: Gate, holds: Callable[[Any], bool]):
+    """A ``transport_factory`` whose synchronizer ends hold the messages ``holds`` selects."""
+    def factory(name: str):
+        a, b = inproc_pair(timeout=HANG_GUARD)
+        return GatedTransport(a, gate, holds), b
+
+    return factory
+
+
+async def settle(n: int = 20) -> None:
+    """Let every ready task run ``n`` rounds (no time passes)."""
+    for _ in range(n):
+        await anyio.sleep(0)
