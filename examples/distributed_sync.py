@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 3 examples/distributed_sync.py --steps 20
 
 Rank 0 trains a small policy (real AdamW steps) and runs the :class:`aiosync.Synchronizer`;
-every other rank is an explorer (:class:`aiosync.coordination.remote.RemoteExplorer`) that
+every other rank is an explorer (:class:`aiosync.Explorer`, the same class as in one process) that
 rolls out with a bfloat16 copy of the policy, stamping every rollout with the version that
 produced it. Patch sync, trainer-driven, ``sync_weight_no_wait``: the trainer never waits for
 an explorer after the first sync, explorers apply new versions in the background.
@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiosync.coordination import Synchronizer
-from aiosync.coordination.remote import RemoteExplorer
+from aiosync.coordination import Explorer, Synchronizer
 from aiosync.syncers.config import WeightSyncerConfig
 from aiosync.transports.distributed import WeightSyncGroup
 
@@ -128,7 +127,7 @@ async def run_explorer(group: WeightSyncGroup, args: argparse.Namespace) -> None
             p.zero_()  # the bootstrap must bring it to the trainer's weights
     transport = group.transport(0)
     rollouts: Counter[int] = Counter()
-    async with RemoteExplorer(f"explorer-{group.rank}", policy, transport) as explorer:
+    async with Explorer(f"explorer-{group.rank}", policy, transport) as explorer:
         g = torch.Generator().manual_seed(group.rank)
         while not explorer.trainer_stopped:
             async with explorer.lease() as (model, version):

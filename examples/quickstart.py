@@ -53,9 +53,9 @@ async def main() -> None:
         opt.zero_grad()
         await sender.sync(trainer_model.state_dict(), trainer_end.send, version)
         applied = await receiver.apply(explorer_model, explorer_end.recv)
-        st = sender.last_stats
-        print(f"version {applied}: {st['changed']:>7,} changed elements, {st['bytes']:>8,} bytes "
-              f"({st['bytes_per_changed']:.2f} B/changed; the bf16 model is {full:,} bytes)")
+        st = sender.statistics()
+        print(f"version {applied}: {st.changed:>7,} changed elements, {st.bytes:>8,} bytes "
+              f"({st.bytes / max(st.changed, 1):.2f} B/changed; the bf16 model is {full:,} bytes)")
 
     exact = all(torch.equal(t.to(torch.bfloat16).view(torch.int16), explorer_model.state_dict()[k].view(torch.int16))
                 for k, t in trainer_model.state_dict().items())

@@ -79,18 +79,30 @@ class Gate:
         self.opened = anyio.Event()
         self.opened.set()
         self.blocked = anyio.Event()
+        self._changed = anyio.Event()
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def close(self) -> None:
         self.opened = anyio.Event()
         self.blocked = anyio.Event()
+        self._poke()
 
     def open(self) -> None:
         self.opened.set()
 
+    def hold(self) -> None:
+        """A message waits at the gate now."""
+        self.blocked.set()
+        self._poke()
+
     async def wait_blocked(self, timeout: float = HANG_GUARD) -> None:
-        """Wait until a message is held at the gate."""
+        """Wait until a message is held at the gate (closed before or after this call)."""
         with anyio.fail_after(timeout):
-            await self.blocked.wait()
+            while not self.blocked.is_set():
+                await self._changed.wait()
 
 
 class GatedTransport(Transport):
@@ -101,7 +113,7 @@ class GatedTransport(Transport):
 
     async def send(self, payload: Any) -> None:
         if self.holds(payload) and not self.gate.opened.is_set():
-            self.gate.blocked.set()
+            self.gate.hold()
             await self.gate.opened.wait()
         await self.inner.send(payload)
 

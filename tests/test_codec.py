@@ -13,11 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiosync import CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch, inproc_pair
+from aiosync.syncers import CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch
+from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import PatchChainError, PayloadError
 from aiosync.syncers import kernels
 from aiosync.syncers.patch_format import TensorLayout, encode_patch, unzigzag_apply, varint_decode, varint_encode, \
     zigzag_delta
+from aiosync.syncers.integrity import drift_hash
 from aiosync.syncers.snapshot import Snapshot
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -182,9 +184,9 @@ async def test_codec_edge_cases(encoding, delta, compression, case):
     else:
         assert type(patch) is (WeightPatch if compression == "none" else CompressedWeightPatch)
         assert patch.nnz == expected
-    assert s.last_stats["changed"] == expected
+    assert s.statistics().changed == expected
     assert await r.apply(dst, b.recv) == 1
-    assert r.last_stats["changed"] == expected
+    assert r.statistics().changed == expected
     assert_same_bits(src, dst)
     # and a second version on top (chained), changing everything back and more
     more = mutate(src, "first_last", seed=2)
@@ -214,7 +216,7 @@ async def test_codec_shapes_and_dtypes(encoding, delta, dtype, shape):
     change(src["x"], idx, g)
     await s.sync(src, a.send, 1)
     assert await r.apply(dst, b.recv) == 1
-    assert s.last_stats["changed"] == idx.numel()
+    assert s.statistics().changed == idx.numel()
     assert torch.equal(bits(dst["x"]), bits(src["x"]))
     assert dst["x"].shape == torch.Size(shape) and dst["x"].dtype == dtype
 
@@ -334,6 +336,37 @@ def test_snapshot_torch_kernel_matches_numba(src_dtype, snap_dtype):
     b.close()
 
 
+def reference_drift_hash(positions: torch.Tensor, old_bits: torch.Tensor) -> int:
+    """docs/wire-format.md, in plain Python integers: sum over changes of splitmix64's finaliser
+    of (position * 0x9E3779B97F4A7C15) XOR old bits (zero-extended), modulo 2**64."""
+    m = 2**64 - 1
+    width = 8 * old_bits.element_size()
+    total = 0
+    for p, o in zip(positions.tolist(), old_bits.reshape(-1).tolist()):
+        x = ((p * 0x9E3779B97F4A7C15) & m) ^ (o & ((1 << width) - 1))
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & m
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & m
+        x ^= x >> 31
+        total = (total + x) & m
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_drift_hash_matches_the_documented_reference(dtype):
+    g = torch.Generator().manual_seed(9)
+    positions = torch.sort(torch.randperm(1 << 20, generator=g)[:500]).values
+    info = torch.iinfo(dtype)
+    old = torch.randint(info.min, info.max, (500,), generator=g, dtype=torch.int64).to(dtype)
+    want = reference_drift_hash(positions, old)
+    assert drift_hash(positions, old) % 2**64 == want
+    assert drift_hash(positions[:0], old[:0]) == 0
+    moved = old.clone()
+    moved[123] ^= 1  # one drifted element changes the hash
+    assert drift_hash(positions, moved) % 2**64 != want
+
+
 @pytest.mark.parametrize("snap_dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8])
 def test_fused_flat_builder_matches_torch_reference(snap_dtype):
     """diff_flat (numba, chunk-stitched gap stream) == torch diff + varint_encode + zigzag_delta.
@@ -370,6 +403,8 @@ def test_fused_flat_builder_matches_torch_reference(snap_dtype):
         assert f.nibbles.tolist() == [min(v, 15) for v in z]
         assert f.exceptions.shape == (w, sum(v >= 15 for v in z))
         assert [int.from_bytes(bytes(col), "little") for col in f.exceptions.T.tolist()] == [v for v in z if v >= 15]
+        # the drift hash of the fused builder (positions in the whole tensor, across chunks)
+        assert f.old_hash == drift_hash(t.positions, t.old_bits) % 2**64 == reference_drift_hash(t.positions, t.old_bits)
     assert 4 in {d.slot for d in flat}  # small tensors sharing a task are diffed too
     for i in range(len(shapes)):
         assert torch.equal(bits(fused.tensor(i)), bits(ref.tensor(i)))
@@ -602,7 +637,7 @@ def test_property_random_changes_round_trip_bit_exact(case):
             change(src[f"t{i}"], torch.tensor(changed, dtype=torch.int64), g)
         await s.sync(src, a.send, 1)
         assert await r.apply(dst, b.recv) == 1
-        assert s.last_stats["changed"] == sum(len(c) for _, _, c in specs)
+        assert s.statistics().changed == sum(len(c) for _, _, c in specs)
 
     asyncio.run(run())
     assert_same_bits(src, dst)

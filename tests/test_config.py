@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from aiosync import (BucketWeightSyncer, PatchWeightSyncer, WeightSyncer, WeightSyncerConfig, inproc_pair,
-                     load_config)
-from aiosync.configs import CONFIG_DIR, config_path
+from aiosync.configs import CONFIG_DIR, config_path, load_config
+from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer, WeightSyncer, WeightSyncerConfig
+from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import ConfigError
 from aiosync.syncers.config import BucketConfig, CommOptions, InitSyncConfig, PatchConfig
 
@@ -108,6 +110,35 @@ def test_shipped_yaml_loads_and_creates(name, cls):
     node = OmegaConf.load(config_path(name))
     assert type(WeightSyncer.create(node)) is cls
     assert config_path(name).parent == CONFIG_DIR / "weight_syncer"
+
+
+@pytest.mark.parametrize("name, typ", [("weight_syncer/patch_syncer", "patch"), ("weight_syncer/bucket_syncer", "bucket")])
+def test_shipped_yaml_equals_the_dataclass_defaults(name, typ):
+    """One home for the defaults: the shipped file, the config dataclasses and the syncers'
+    keyword defaults agree, so ``{"type": ...}`` and the shipped file mean the same thing."""
+    data = load_config(name)
+    node_cls = PatchConfig if typ == "patch" else BucketConfig
+    # the file names every option of its node, each at the dataclass default
+    assert set(data[typ]) == {f.name for f in dataclasses.fields(node_cls)}
+    assert data[typ] == dataclasses.asdict(node_cls())
+    assert {k: v for k, v in data.items() if k not in ("patch", "bucket")} == \
+        {k: v for k, v in dataclasses.asdict(WeightSyncerConfig(type=typ)).items() if k not in ("patch", "bucket")}
+    assert WeightSyncerConfig.from_any(data) == WeightSyncerConfig(type=typ)
+    from_file, from_type = WeightSyncer.create(data), WeightSyncer.create({"type": typ})
+    plain = PatchWeightSyncer() if typ == "patch" else BucketWeightSyncer()
+    assert from_file.config == from_type.config == plain.config == node_cls()
+
+
+def test_constructor_keyword_defaults_are_the_dataclass_defaults():
+    for cls, node in ((PatchWeightSyncer, PatchConfig()), (BucketWeightSyncer, BucketConfig())):
+        flat = dataclasses.asdict(node)
+        init = flat.pop("init_sync", None)
+        if init is not None:
+            flat.update({f"init_sync_{k}": v for k, v in init.items()})
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name in flat:
+                assert param.default == flat.pop(name), (cls.__name__, name)
+        assert not flat, (cls.__name__, flat)  # every option is a keyword of the constructor
 
 
 def test_shipped_patch_yaml_is_the_compact_recommended_config():

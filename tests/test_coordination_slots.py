@@ -84,7 +84,7 @@ async def test_apply_waits_for_leases_and_blocks_new_ones():
             events.append(f"lease{version}-end")
 
     async def apply():
-        await slot.apply(slow_writer(2))
+        await slot.apply(slow_writer(2), backup=False)  # (a backup is taken before the apply waits)
         events.append("applied2")
 
     async def late_reader():

@@ -7,8 +7,6 @@ with gates that hold a delivery until the test opens them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import pytest
 import torch
@@ -18,16 +16,14 @@ from aiosync.coordination.metrics import flatten
 from aiosync.errors import StateTransitionError
 from aiosync.runners import ExplorerLoop, TrainerLoop
 from aiosync.syncers import BucketWeightSyncer
-from aiosync.transports.base import Transport
-from aiosync.transports.inproc import inproc_pair
+from aiosync.cli.simulate import is_delivery
 from aiosync.transports.simulated import simulated_pair
-from toy_model import weights, trainer_state, rollout_model, holds, train_to
+from helpers import (HANG_GUARD, PATCH, PATCH_COO, Gate, gated, holds, rollout_model, settle, train_to, trainer_state,
+                     weights)
 
 S, R, Q = RunningStatus.STOPPED, RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC
 
-PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
-PATCH_COO = {"type": "patch", "patch": {"encoding": "coo", "compression": "none", "init_sync": {"enabled": True}}}
-HANG_GUARD = 30  # seconds: only catches hangs, never measures speed
+pytestmark = pytest.mark.both_loops
 
 
 def transitions_are_well_formed(history) -> bool:
@@ -35,56 +31,8 @@ def transitions_are_well_formed(history) -> bool:
     return all(a[1] == b[0] for a, b in zip(history, history[1:]))
 
 
-class Gate:
-    """Holds synchronizer → explorer Packets while closed (``blocked`` is set when one waits)."""
-
-    def __init__(self) -> None:
-        self.opened = anyio.Event()
-        self.opened.set()
-        self.blocked = anyio.Event()
-
-    def close(self) -> None:
-        self.opened = anyio.Event()
-        self.blocked = anyio.Event()
-
-    def open(self) -> None:
-        self.opened.set()
-
-    async def wait_blocked(self) -> None:
-        """Wait until a Packet is held (re-reads ``blocked``: ``close`` may replace it meanwhile)."""
-        with anyio.fail_after(HANG_GUARD):
-            while not self.blocked.is_set():
-                await anyio.sleep(0.001)
-
-
-class GatedTransport(Transport):
-    def __init__(self, inner, gate: Gate) -> None:
-        self.inner, self.gate = inner, gate
-
-    async def send(self, payload: Any) -> None:
-        if isinstance(payload, Packet) and not self.gate.opened.is_set():
-            self.gate.blocked.set()
-            await self.gate.opened.wait()
-        await self.inner.send(payload)
-
-    async def recv(self) -> Any:
-        return await self.inner.recv()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def gated(gate: Gate):
-    def factory(name: str):
-        a, b = inproc_pair(timeout=HANG_GUARD)
-        return GatedTransport(a, gate), b
-
-    return factory
-
-
-async def settle(n: int = 20) -> None:
-    for _ in range(n):
-        await anyio.sleep(0)
+def packets(msg) -> bool:
+    return isinstance(msg, Packet)
 
 
 # ------------------------------------------------------------------ methods x styles
@@ -127,7 +75,7 @@ async def test_each_method_and_style_runs_with_the_seeds_transitions(method, sty
     assert trainer.version == 6 and trainer.status is S
     for ex in explorers:
         assert ex.version == 6 and holds(ex.slot.model, 6)
-        versions = ex.link.stats.versions_applied
+        versions = sync.explorers[ex.name].line.stats.versions_applied
         assert versions == sorted(set(versions)) and versions[-1] == 6
         h = ex.state.history
         assert h[0] == (S, R) and h[-1][1] is S and transitions_are_well_formed(h)
@@ -145,7 +93,10 @@ async def test_memory_fixed_schedule_with_offset():
     async with Synchronizer(dict(style="fixed", sync_interval=2, sync_offset=1), PATCH) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
-        assert ex.state.history == [(S, R), (R, Q), (Q, R)]  # attach: the first sync, always blocking
+        # attach: the first sync, always blocking — the synchronizer's view of the explorer went
+        # REQUIRE_SYNC and back; the explorer itself starts RUNNING once it holds weights
+        assert sync.explorers["e0"].state.history == [(S, R), (R, Q), (Q, R)]
+        assert ex.state.history == [(S, R)]
         synced_at = []
         for step in range(1, 6):  # one train step, then one explore step
             train_to(state, step)
@@ -175,6 +126,7 @@ async def test_checkpoint_trainer_driven_explorer_picks_up_at_its_next_check(tmp
         assert ex.version == 1 and not ex.need_sync()
         train_to(state, 2)
         await trainer.step_done()  # published to disk; the explorer has not looked yet
+        await settle()  # the synchronizer's notice reaches the explorer
         assert ex.version == 1 and holds(ex.slot.model, 1)
         assert ex.need_sync()
         assert await ex.sync_weight() == 2 and holds(ex.slot.model, 2)
@@ -192,6 +144,7 @@ async def test_nccl_handshake_both_sides_require_sync_then_run():
 
         async def explorer_check():
             await trainer.state.wait_for(Q, timeout=HANG_GUARD)  # the trainer asks...
+            await settle()  # (its notice reaches the explorer)
             assert ex.need_sync()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ex.sync_weight)
@@ -280,7 +233,7 @@ async def test_no_wait_hands_off_and_coalesces_without_dropping_the_newest():
     gate = Gate()
     state = trainer_state()
     cfg = dict(style="trainer_driven", sync_weight_no_wait=True)
-    async with Synchronizer(cfg, PATCH, transport_factory=gated(gate)) as sync:
+    async with Synchronizer(cfg, PATCH, transport_factory=gated(gate, packets)) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
         train_to(state, 1)
@@ -293,24 +246,24 @@ async def test_no_wait_hands_off_and_coalesces_without_dropping_the_newest():
             assert result["blocking"] is False
             if step == 2:
                 await gate.wait_blocked()  # version 2 is in flight, held by the gate
-            assert ex.link.pending.pending <= 1
+            assert sync.explorers[ex.name].line.pending.pending <= 1
         # rollouts meanwhile use the old weights, whole
         async with ex.lease() as (model, version):
             assert version == 1 and holds(model, 1)
-        assert ex.status is Q
-        p = ex.link.pending.stats
+        assert sync.explorers["e0"].status is Q  # as the synchronizer sees it: a delivery is due
+        p = sync.explorers[ex.name].line.pending.stats
         assert p.coalesced == 5 and p.max_pending == 1  # 3..8 merged into one pending request
         gate.open()
         assert await ex.wait_applied() == 8
-        assert ex.link.stats.versions_applied == [0, 1, 2, 8]  # in flight, then the newest
-        assert holds(ex.slot.model, 8) and ex.status is R
+        assert sync.explorers[ex.name].line.stats.versions_applied == [0, 1, 2, 8]  # in flight, then the newest
+        assert holds(ex.slot.model, 8) and ex.status is R and sync.explorers["e0"].status is R
 
 
 async def test_first_sync_is_blocking_even_with_no_wait():
     gate = Gate()
     state = trainer_state()
     async with Synchronizer(dict(style="trainer_driven", sync_weight_no_wait=True), PATCH,
-                            transport_factory=gated(gate)) as sync:
+                            transport_factory=gated(gate, packets)) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
         gate.close()
@@ -333,7 +286,7 @@ async def test_a_blocking_sync_waits_for_outstanding_background_applies():
     gate = Gate()
     state = trainer_state()
     async with Synchronizer(dict(style="trainer_driven", sync_weight_no_wait=True), PATCH,
-                            transport_factory=gated(gate)) as sync:
+                            transport_factory=gated(gate, packets)) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
         train_to(state, 1)
@@ -354,7 +307,7 @@ async def test_a_blocking_sync_waits_for_outstanding_background_applies():
             assert done == [] and ex.version == 1
             gate.open()
         assert ex.version == 3 and holds(ex.slot.model, 3)
-        assert ex.link.stats.versions_applied == [0, 1, 2, 3]
+        assert sync.explorers[ex.name].line.stats.versions_applied == [0, 1, 2, 3]
 
 
 async def test_shutdown_waits_for_background_applies():
@@ -365,7 +318,7 @@ async def test_shutdown_waits_for_background_applies():
 
     async def runner():
         async with Synchronizer(dict(style="trainer_driven", sync_weight_no_wait=True), PATCH,
-                                transport_factory=gated(gate)) as sync:
+                                transport_factory=gated(gate, packets)) as sync:
             trainer = await sync.attach_trainer(state)
             handles["ex"] = await sync.attach_explorer("e0", rollout_model())
             train_to(state, 1)
@@ -393,7 +346,7 @@ class FlakyBucket(BucketWeightSyncer):
 
     fail = False
 
-    async def apply(self, model, recv):
+    async def stage(self, model, recv):
         received = 0
 
         async def counting_recv():
@@ -403,7 +356,7 @@ class FlakyBucket(BucketWeightSyncer):
             received += 1
             return await recv()
 
-        return await super().apply(model, counting_recv)
+        return await super().stage(model, counting_recv)
 
 
 async def test_a_failed_apply_leaves_version_and_weights_untouched_and_is_repaired():
@@ -418,9 +371,8 @@ async def test_a_failed_apply_leaves_version_and_weights_untouched_and_is_repair
         FlakyBucket.fail = True
         train_to(state, 2)
         await trainer.sync_weight(2)
-        assert await ex.sync_weight() == 1  # the apply failed half way...
-        assert holds(ex.slot.model, 1)  # ...and was rolled back, bit for bit
-        assert ex.slot.stats.failed_applies == 1
+        assert await ex.sync_weight() == 1  # the delivery failed half way (while staging)...
+        assert holds(ex.slot.model, 1)  # ...and nothing of it was written
         m = sync.metrics()["explorers"]["e0"]
         assert m["failed"] == 1 and "injected: lost the link" in m["last_error"]
         FlakyBucket.fail = False
@@ -433,6 +385,8 @@ async def test_a_lost_patch_is_repaired_by_a_rebootstrap():
 
     def factory(name):
         ends[name] = simulated_pair(seed=5)
+        for end in ends[name]:
+            end.faults_where = is_delivery  # the lost message is the Packet, not a notice
         return ends[name]
 
     state = trainer_state()
@@ -445,12 +399,12 @@ async def test_a_lost_patch_is_repaired_by_a_rebootstrap():
         train_to(state, 2)
         await trainer.sync_weight(2)
         assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
-        assert ex.link.stats.failed == 1 and ex.link.needs_reinit
+        assert sync.explorers[ex.name].line.stats.failed == 1 and sync.explorers[ex.name].line.needs_reinit
         train_to(state, 3)
         await trainer.sync_weight(3)
         assert await ex.sync_weight() == 3 and holds(ex.slot.model, 3)
-        assert ex.link.stats.reinits == 2
-        assert ex.link.stats.versions_applied == [0, 1, 3]
+        assert sync.explorers[ex.name].line.stats.reinits == 2
+        assert sync.explorers[ex.name].line.stats.versions_applied == [0, 1, 3]
 
 
 # ------------------------------------------------------------------ staleness, fan-out, loops
@@ -459,7 +413,7 @@ async def test_staleness_is_measured_with_the_applied_version():
     gate = Gate()
     state = trainer_state()
     cfg = dict(style="trainer_driven", sync_weight_no_wait=True, max_staleness=1)
-    async with Synchronizer(cfg, PATCH, transport_factory=gated(gate)) as sync:
+    async with Synchronizer(cfg, PATCH, transport_factory=gated(gate, packets)) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
         train_to(state, 1)
@@ -510,8 +464,8 @@ async def test_fan_out_with_a_late_joiner():
         await trainer.stop()
     for ex in early + [late]:
         assert ex.version == 5 and holds(ex.slot.model, 5)
-    assert late.link.stats.reinits == 1 and late.link.stats.versions_applied[0] == 3
-    assert late.link.stats.versions_applied[-1] == 5
+    assert sync.explorers[late.name].line.stats.reinits == 1 and sync.explorers[late.name].line.stats.versions_applied[0] == 3
+    assert sync.explorers[late.name].line.stats.versions_applied[-1] == 5
 
 
 async def test_loop_skeletons_with_step_hooks():
@@ -531,7 +485,7 @@ async def test_loop_skeletons_with_step_hooks():
 
     class Explorer(ExplorerLoop):
         async def explore_step(self, model, version):
-            if self.explorer.sync.trainer.status is S:
+            if self.explorer.trainer_stopped:
                 return False
             assert holds(model, version)
             await send.send({"version": version})
@@ -575,6 +529,7 @@ async def test_metrics_as_dict_and_through_logging(caplog):
         for step in (1, 2):
             train_to(state, step)
             await trainer.step_done()
+            await settle()  # the "published" notice reaches the explorer
             await ex.step_done()
         m = sync.metrics()
         e = m["explorers"]["e0"]
@@ -596,15 +551,24 @@ async def test_attach_bootstraps_unless_the_explorer_declares_the_trainers_versi
         trainer = await sync.attach_trainer(state)
         stranger = await sync.attach_explorer("stranger", rollout_model())  # unknown weights: bootstrapped
         assert stranger.version == 0 and holds(stranger.slot.model, 0)
+        assert sync.explorers["stranger"].line.bootstrap_first
         twin_model = {k: v.to(rollout_model()[k].dtype) for k, v in weights(0).items()}
-        twin_model["b"][0] = 123.0  # a difference only a bootstrap would erase
         twin = await sync.attach_explorer("twin", twin_model, version=0)  # declared: trusted, as the seed does
-        assert twin.version == 0 and twin.slot.model["b"][0] == 123.0
-        assert twin.link.stats.reinits == 1
+        assert twin.version == 0 and not sync.explorers["twin"].line.bootstrap_first
+        liar_model = {k: v.to(rollout_model()[k].dtype) for k, v in weights(0).items()}
+        liar_model["b"][0] = 123.0  # declares version 0 but holds other weights
+        liar = await sync.attach_explorer("liar", liar_model, version=0)
+        assert liar.slot.model["b"][0] == 123.0  # trusted at first...
         train_to(state, 1)
-        await trainer.sync_weight(1)  # the first sync reaches both
+        await trainer.sync_weight(1)  # the first sync reaches all three
         for ex in (stranger, twin):
             assert ex.version == 1 and holds(ex.slot.model, 1)
+        # ...but its drift shows at the first patch: refused (nothing written), then repaired
+        assert liar.version == 0 and "DriftError" in sync.explorers["liar"].line.stats.last_error
+        train_to(state, 2)
+        await trainer.sync_weight(2)
+        for ex in (stranger, twin, liar):
+            assert await ex.sync_weight() == 2 and holds(ex.slot.model, 2), ex.name
         await trainer.stop()
 
 

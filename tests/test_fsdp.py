@@ -76,7 +76,8 @@ async def _run(rank: int, result_path: str, reverse_receiver: bool) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from aiosync import PatchWeightSyncer, collect_param_names_need_sync, inproc_pair
+    from aiosync.syncers import PatchWeightSyncer, collect_param_names_need_sync
+    from aiosync.transports.inproc import inproc_pair
 
     torch.manual_seed(0)
     model = Net()
@@ -130,7 +131,7 @@ async def _run(rank: int, result_path: str, reverse_receiver: bool) -> None:
         if rank == 0:
             await sender.sync(model.state_dict(), a.send, version)
             applied.append(await receiver.apply(receiver_model, b.recv))
-            changed.append(sender.last_stats["changed"])
+            changed.append(sender.statistics().changed)
         else:
             await sender.sync(model.state_dict(), send, version)
         full = _full_state(model)

@@ -23,7 +23,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiosync import BucketWeightSyncer, PatchWeightSyncer, inproc_pair
+from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer
+from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import AiosyncError, PeerTimeoutError
 from aiosync.syncers.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
                                       WeightPatch)

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from aiosync import (BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, WeightPatch,
-                     collect_param_names_need_sync, inproc_pair)
+from aiosync.syncers import (BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, WeightPatch,
+                             collect_param_names_need_sync)
+from aiosync.transports.inproc import inproc_pair
 from aiosync.syncers.snapshot import Snapshot
 
 pytestmark = [
@@ -99,7 +100,7 @@ async def run_patch_round_trip(sender_kw, receiver_kw, src_device, dst_device, d
         train_step(src, opt, version)
         await s.sync(src.state_dict(), send, version)
         assert await r.apply(dst, b.recv) == version
-        assert s.last_stats["changed"] > 0
+        assert s.statistics().changed > 0
         assert_bit_exact(src.state_dict(), dst.state_dict(), names)
     return s, r, sent
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiosync import as_coo_2d_view, delta_decode, delta_encode, downscale_nonnegative_indices
+from aiosync.syncers import as_coo_2d_view, delta_decode, delta_encode, downscale_nonnegative_indices
 
 
 # --------------------------------------------------------------------- W9: 2-D COO view

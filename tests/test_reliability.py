@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import anyio
 import pytest
 import torch
 
-from aiosync import BucketWeightSyncer, PatchWeightSyncer, WeightSyncer, inproc_pair
-from aiosync.cli.simulate import ApplyFaults, FlakyBucketSyncer, FlakyPatchSyncer
+from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer, WeightSyncer
+from aiosync.syncers.faults import ApplyFaults, FlakyBucketSyncer, FlakyPatchSyncer
+from aiosync.transports.inproc import inproc_pair
 from aiosync.configs import load_config
 from aiosync.errors import (AiosyncError, ApplyError, ChecksumError, ConfigError, HandshakeError, PatchChainError,
                             PayloadError, PeerTimeoutError, TransportError, VersionError)
-from aiosync.syncers.bucket import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY, SESSION_KEY, VERSION_KEY
+from aiosync.syncers.bucket_format import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY, SESSION_KEY, VERSION_KEY
 from aiosync.syncers.config import WeightSyncerConfig
 from aiosync.syncers.integrity import decode_manifest, tensor_checksum
 from aiosync.syncers.payloads import EmptyWeightPatch, SenderHello, WeightPatch
@@ -109,11 +111,21 @@ async def test_a_sender_cancelled_mid_sync_keeps_the_chain_honest():
     src, dst = state(0), receiver_model()
     a, b = await pair(s, r, src, dst)
 
-    async def hanging_send(payload):
-        await anyio.sleep(30)
+    sending, never = anyio.Event(), anyio.Event()
 
-    with anyio.move_on_after(0.05):
-        await s.sync(state(1), hanging_send, 1)  # cancelled while "sending"
+    async def hanging_send(payload):
+        sending.set()
+        await never.wait()
+
+    async def cancel_while_sending():
+        await sending.wait()
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        with anyio.CancelScope() as scope:
+            tg.start_soon(cancel_while_sending)
+            await s.sync(state(1), hanging_send, 1)  # cancelled while "sending"
+    assert scope.cancelled_caught
     await s.sync(state(2), a.send, 2)
     with pytest.raises(PatchChainError):
         await r.apply(dst, b.recv)
@@ -222,18 +234,26 @@ async def test_cancelling_an_apply_while_it_writes_commits_it_whole():
     a, b = await pair(s, r, state(0), dst)
     await s.sync(state(1), a.send, 1)
     patch = await b.recv()
-    original = r._apply_patch
+    original = r._write_sync
+    writing, cancelled = threading.Event(), threading.Event()
 
-    def slow(target, payload):
-        import time
+    def slow(*args):
+        writing.set()
+        assert cancelled.wait(10)  # the caller is cancelled while this worker thread writes
+        return original(*args)
 
-        time.sleep(0.2)
-        return original(target, payload)
+    r._write_sync = slow
 
-    r._apply_patch = slow
-    with anyio.move_on_after(0.02) as scope:
-        await r.apply_payload(dst, patch)
-    assert scope.cancelled_caught or r.version == 1
+    async def cancel_once_writing():
+        await anyio.to_thread.run_sync(writing.wait)
+        scope.cancel()
+        cancelled.set()
+
+    async with anyio.create_task_group() as tg:
+        with anyio.CancelScope() as scope:
+            tg.start_soon(cancel_once_writing)
+            await r.apply_payload(dst, patch)
+    assert scope.cancel_called  # cancelled while the worker thread wrote
     assert r.version == 1 and holds(dst, 1)
 
 
@@ -266,7 +286,7 @@ async def test_a_corrupted_value_is_caught_by_the_checksum_and_rolled_back(encod
     if compression == "zstd":
         from aiosync.syncers.codecs import decompress_patch
 
-        plain = decompress_patch(patch, {o: lay.elem_size for o, lay in r._recv_layouts.items()})
+        plain = decompress_patch(patch, {o: lay.elem_size for o, lay in r._rx.layouts.items()})
     values = plain.values.clone()
     values[-1] ^= 0x01  # one flipped bit that still decodes to a valid patch
     bad = dataclasses.replace(plain, values=values)
@@ -301,8 +321,8 @@ async def test_a_receiver_that_wants_checksums_refuses_a_patch_or_bootstrap_with
     with pytest.raises(PayloadError, match="no checksum"):
         await pair(s, r, state(0), dst)
     assert same(receiver_model(), dst)  # the bootstrap bucket was refused before loading
-    s = PatchWeightSyncer(encoding="flat", recv_timeout=5)
-    r = PatchWeightSyncer(encoding="flat", recv_timeout=5, verify_checksums=True)
+    s = PatchWeightSyncer(encoding="flat", recv_timeout=5, init_sync_enabled=False)
+    r = PatchWeightSyncer(encoding="flat", recv_timeout=5, verify_checksums=True, init_sync_enabled=False)
     dst = {k: v.to(dst[k].dtype) for k, v in state(0).items()}  # already holds version 0
     a, b = await pair(s, r, state(0), dst)
     await s.sync(state(1), a.send, 1)

@@ -16,15 +16,17 @@ import pytest
 import torch
 
 from aiosync.cli.main import main
-from aiosync.cli.simulate import ApplyFaults, flaky_syncer_factory, simulate
+from aiosync.cli.simulate import is_delivery, simulate
 from aiosync.coordination import Packet, Synchronizer
-from aiosync.coordination.link import Ack, Reinit
-from aiosync.errors import PeerTimeoutError, TransportError
-from aiosync.syncers.bucket import BUCKET_KEY
-from aiosync.transports.simulated import FAULT_KINDS, FaultProfile, SimulatedTransport, simulated_pair
-from toy_model import weights, rollout_model, holds, train_to
+from aiosync.coordination.delivery import DeliveryLine
+from aiosync.coordination.protocol import Ack, Reinit
+from aiosync.syncers.bucket_format import BUCKET_KEY
+from aiosync.syncers.faults import ApplyFaults, flaky_syncer_factory
+from aiosync.transports.faults import FaultProfile
+from aiosync.transports.simulated import SimulatedTransport, simulated_pair
+from helpers import HANG_GUARD, holds, rollout_model, train_to, weights
 
-HANG_GUARD = 30
+pytestmark = pytest.mark.both_loops
 DELIVERY = 0.4  # a short delivery bound, so lost messages are noticed quickly
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "verify_checksums": True,
                                     "init_sync": {"enabled": True, "bucket_size": 256}}}
@@ -65,6 +67,8 @@ class Harness:
 
     def factory(self, name: str):
         self.ends = simulated_pair(latency=0.001, seed=11, timeout=HANG_GUARD)
+        for end in self.ends:  # faults strike the delivery line, not the control messages
+            end.faults_where = is_delivery
         return self.ends
 
     @property
@@ -108,7 +112,7 @@ async def run_one_fault(h: Harness, inject, late_copies: float = 0.0) -> tuple[i
             await h.publish(trainer, 3)
             assert await ex.sync_weight() == 3  # the next sync repairs
             assert await consistent(ex) == 3 and holds(ex.slot.model, 3)
-            return after_fault, ex.link.stats
+            return after_fault, sync.explorers[ex.name].line.stats
 
 
 MATRIX = ([("patch-flat", k) for k in ("fail", "drop", "corrupt", "truncate", "stall", "duplicate", "delay")]
@@ -188,7 +192,7 @@ async def test_reordered_bootstrap_buckets_are_refused_and_repaired():
             await h.publish(trainer, 3)
             assert await ex.sync_weight() == 1 and await consistent(ex) == 1  # the reordered bootstrap failed
             assert h.to_explorer.stats.faults["reorder"] == 1
-            assert "out of order" in ex.link.stats.last_error
+            assert "out of order" in sync.explorers[ex.name].line.stats.last_error
             await anyio.sleep(DELIVERY)
             await h.publish(trainer, 4)
             assert await ex.sync_weight() == 4 and await consistent(ex) == 4
@@ -211,11 +215,11 @@ async def test_an_apply_that_raises_half_way_keeps_the_old_version_and_is_repair
             faults.enabled = True
             await h.publish(trainer, 2)
             assert await ex.sync_weight() == 1 and await consistent(ex) == 1
-            assert faults.fired == 1 and "injected fault" in ex.link.stats.last_error
+            assert faults.fired == 1 and "injected fault" in sync.explorers[ex.name].line.stats.last_error
             faults.enabled = False
             await h.publish(trainer, 3)
             assert await ex.sync_weight() == 3 and await consistent(ex) == 3
-            assert ex.link.stats.repairs == 1
+            assert sync.explorers[ex.name].line.stats.repairs == 1
 
 
 async def test_a_sender_cancelled_in_the_middle_of_a_bootstrap_is_repaired():
@@ -264,15 +268,15 @@ async def test_an_explorer_at_another_base_version_refuses_the_patch_and_is_rebo
             ex = await sync.attach_explorer("e0", rollout_model())
             await h.publish(trainer, 1)
             assert await ex.sync_weight() == 1
-            ex.endpoint.receiver.version = 0  # out of step with the sender's chain
+            ex.applier.receiver.version = 0  # out of step with the sender's chain
             before = {k: v.clone() for k, v in ex.slot.model.items()}
             await h.publish(trainer, 2)
             assert await ex.sync_weight() == 1
             assert all(torch.equal(before[k], v) for k, v in ex.slot.model.items())  # nothing written
-            assert "PatchChainError" in ex.link.stats.last_error and ex.link.needs_reinit
+            assert "PatchChainError" in sync.explorers[ex.name].line.stats.last_error and sync.explorers[ex.name].line.needs_reinit
             await h.publish(trainer, 3)
             assert await ex.sync_weight() == 3 and holds(ex.slot.model, 3)
-            assert ex.link.stats.repairs == 1 and ex.link.stats.versions_applied == [0, 1, 3]
+            assert sync.explorers[ex.name].line.stats.repairs == 1 and sync.explorers[ex.name].line.stats.versions_applied == [0, 1, 3]
 
 
 async def test_a_packet_with_a_duplicated_payload_is_refused_before_writing():
@@ -296,115 +300,21 @@ async def test_a_packet_with_a_duplicated_payload_is_refused_before_writing():
             assert await ex.sync_weight() == 1
             await h.publish(trainer, 2)
             assert await ex.sync_weight() == 1 and await consistent(ex) == 1
-            assert doubled["n"] == 1 and "holds 2 payloads, expected 1" in ex.link.stats.last_error
+            assert doubled["n"] == 1 and "holds 2 payloads, expected 1" in sync.explorers[ex.name].line.stats.last_error
             await h.publish(trainer, 3)
             assert await ex.sync_weight() == 3 and await consistent(ex) == 3
 
 
-# ------------------------------------------------------------------ the simulated transport
-
-async def test_each_injected_fault_does_what_it_says():
-    a, b = simulated_pair(seed=3, timeout=5)
-    t = torch.arange(16, dtype=torch.int32)
-    a.faults = FaultProfile(reorder_max=0.05, delay_max=0.01, stall_s=0.05)
-    # drop: sent, never arrives
-    a.inject("drop")
-    await a.send("lost")
-    await a.send("kept")
-    assert await b.recv() == "kept"
-    # duplicate: arrives twice
-    a.inject("duplicate")
-    await a.send("twice")
-    assert [await b.recv(), await b.recv()] == ["twice", "twice"]
-    # reorder: held back, overtaken by the next message
-    a.inject("reorder")
-    await a.send("first")
-    await a.send("second")
-    assert [await b.recv(), await b.recv()] == ["second", "first"]
-    # corrupt: one byte of a copy differs; the sender's tensor is untouched
-    original = t.clone()
-    a.inject("corrupt")
-    await a.send({"x": t, "meta": "no tensor here"})
-    got = await b.recv()
-    assert torch.equal(t, original) and got["x"] is not t and got["meta"] == "no tensor here"
-    diff = (got["x"].view(torch.uint8) != t.view(torch.uint8)).sum()
-    assert int(diff) == 1
-    # truncate: a shorter copy
-    a.inject("truncate")
-    await a.send([t])
-    got = await b.recv()
-    assert got[0].numel() < t.numel() and torch.equal(got[0], t[: got[0].numel()]) and t.numel() == 16
-    # stall: a send that hangs; cancelled, the message is lost
-    a.inject("stall")
-    with anyio.move_on_after(0.01):
-        await a.send("stalled")
-    await a.send("after")
-    assert await b.recv() == "after"
-    # fail: loud
-    a.inject("fail")
-    with pytest.raises(TransportError, match="injected"):
-        await a.send("x")
-    # corrupt/truncate skip messages without tensors (the injection waits for one)
-    a.inject("corrupt")
-    await a.send("text")
-    assert await b.recv() == "text" and a.stats.faults["corrupt"] == 1
-    await a.send(torch.zeros(4, dtype=torch.uint8))
-    assert int((await b.recv()).count_nonzero()) == 1
-    assert a.stats.faults == {"fail": 1, "drop": 1, "delay": 0, "duplicate": 1, "reorder": 1, "corrupt": 2,
-                              "truncate": 1, "stall": 1}
-    assert a.stats.faults_injected == 8
-    with pytest.raises(ValueError, match="unknown fault"):
-        a.inject("gremlins")
-
-
-async def test_delays_keep_fifo_order_and_drops_time_out():
-    a, b = simulated_pair(seed=5, timeout=0.2, faults=FaultProfile(delay=1.0, delay_max=0.02))
-    for i in range(10):
-        await a.send(i)
-    assert [await b.recv() for _ in range(10)] == list(range(10))
-    assert a.stats.faults["delay"] == 10
-    a.faults = FaultProfile(drop=1.0)
-    await a.send("gone")
-    with pytest.raises(PeerTimeoutError):
-        await b.recv()
-
-
-def _fault_trace(seed: int) -> list[tuple[str, int]]:
-    async def run():
-        a, b = simulated_pair(seed=seed, timeout=5, faults=FaultProfile.uniform(0.2, reorder_max=0.0,
-                                                                                delay_max=0.0, stall_s=0.0))
-        a.faults.fail = 0.0
-        for i in range(40):
-            await a.send(torch.full((4,), i, dtype=torch.int32))
-        return sorted(a.stats.faults.items())
-
-    return anyio.run(run)
-
-
-def test_faults_are_reproducible_from_the_seed():
-    assert _fault_trace(1) == _fault_trace(1)
-    assert _fault_trace(1) != _fault_trace(2)
-
-
-def test_fault_profiles_are_validated():
-    with pytest.raises(ValueError, match="drop"):
-        FaultProfile(drop=1.5)
-    with pytest.raises(ValueError, match="stall_s"):
-        FaultProfile(stall_s=-1)
-    assert not FaultProfile().active and FaultProfile.uniform(0.1).active
-    assert set(FAULT_KINDS) == {"fail", "drop", "delay", "duplicate", "reorder", "corrupt", "truncate", "stall"}
-
+# ------------------------------------------------------------------ the delivery line
 
 async def test_a_late_answer_to_an_abandoned_conversation_is_not_taken_for_the_current_one():
     """Acks echo the conversation id of the Reinit they answer."""
     a, b = simulated_pair(timeout=5)
     await b.send(Ack(3, 2, "stale failure", conv=1))
     await b.send(Ack(3, 3, None, conv=2))
-    from aiosync.coordination.link import SenderLink
-
-    link = SenderLink("x", a, lambda bootstrap: None, None, [], 5.0)
-    link._conv = 2
-    ack = await link._recv_ack(3, 2)
+    line = DeliveryLine("x", a, None, None, [], 5.0)
+    line._conv = 2
+    ack = await line._recv_ack(3, 2)
     assert ack.error is None and ack.conv == 2
     assert Reinit(3, True).conv == 0
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from aiosync import (CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch, WeightSyncer,
-                     collect_param_names_need_sync, inproc_pair)
+from aiosync.syncers import (CompressedWeightPatch, EmptyWeightPatch, PatchWeightSyncer, WeightPatch, WeightSyncer,
+                             collect_param_names_need_sync)
+from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import (CodecUnavailableError, ConfigError, HandshakeError, PatchChainError, VersionError)
 from aiosync.syncers.payloads import ReceiverMetadata, SenderHello
 
@@ -127,7 +128,7 @@ async def test_round_trip_over_versions(encoding, delta, compression):
         assert patch.version == version
         assert patch.encoding == encoding
         assert patch.delta_encoded == (delta and encoding == "coo")
-        assert s.last_stats["changed"] > 0 and r.last_stats["changed"] == s.last_stats["changed"]
+        assert s.statistics().changed > 0 and r.statistics().changed == s.statistics().changed
     # the frozen parameter and the non-persistent buffer were never touched
     assert torch.equal(dst.cache, torch.zeros(5))
 
@@ -194,7 +195,7 @@ async def test_fp32_sender_bf16_receiver(encoding, builder_kernel):
         await s.sync(src.state_dict(), send, version)
         assert await r.apply(dst, b.recv) == version
         assert_bit_exact(src.state_dict(), dst.state_dict(), names)
-        assert 0 < s.last_stats["changed"] < float_elems
+        assert 0 < s.statistics().changed < float_elems
     # the snapshot is kept in the receiver's dtype
     assert s.snapshot.tensor(0).dtype in (torch.bfloat16, torch.int64, torch.bool)
 
@@ -224,7 +225,7 @@ async def test_int64_and_bool_buffers_exact():
         for k in src:
             assert dst[k].dtype == src[k].dtype
             assert torch.equal(dst[k], sender_sd[k]), k
-        assert s.last_stats["changed"] == 6 + 1 + 1 + 2 + 2
+        assert s.statistics().changed == 6 + 1 + 1 + 2 + 2
 
 
 # --------------------------------------------------------------------- init bootstrap
@@ -446,7 +447,7 @@ async def test_nan_and_negative_zero_bit_exact(dtype, encoding, builder_kernel):
     v_bits = bits(src["v"]).view(-1)
     v_bits[0] = bits(torch.tensor(-float("inf"), dtype=dtype))
     await s.sync(src, send, 2)
-    assert s.last_stats["changed"] == 5
+    assert s.statistics().changed == 5
     assert await r.apply(dst, b.recv) == 2
     for k in src:
         assert torch.equal(bits(dst[k]), bits(src[k])), k
@@ -455,7 +456,7 @@ async def test_nan_and_negative_zero_bit_exact(dtype, encoding, builder_kernel):
     # -0.0 -> 0.0 back again
     w_bits[0] = 0
     await s.sync(src, send, 3)
-    assert s.last_stats["changed"] == 1
+    assert s.statistics().changed == 1
     assert await r.apply(dst, b.recv) == 3
     assert not torch.signbit(dst["w"].view(-1)[0])
     assert torch.equal(bits(dst["w"]), bits(src["w"]))
@@ -540,7 +541,7 @@ def _payload_fields(p):
     out = {}
     for name in ("version", "base_version", "encoding", "delta_encoded"):
         out[name] = getattr(p, name)
-    for name in ("ordinals", "nnz_per_tensor", "rows", "cols", "values", "gap_bytes"):
+    for name in ("ordinals", "nnz_per_tensor", "rows", "cols", "values", "gap_bytes", "old_hashes"):
         t = getattr(p, name)
         out[name] = None if t is None else (t.dtype, t.tolist())
     return out
@@ -555,10 +556,10 @@ async def test_torch_builder_kernel_matches_numba(encoding, delta, receiver_dtyp
         dst_a = dst_a.to(receiver_dtype)
     dst_b = copy.deepcopy(dst_a)
     opt = make_opt(src, lr=3e-4)
-    s_auto = PatchWeightSyncer(encoding=encoding, delta_encoding=delta, builder_kernel="auto")
-    s_torch = PatchWeightSyncer(encoding=encoding, delta_encoding=delta, builder_kernel="torch")
-    r_a = PatchWeightSyncer(encoding=encoding, delta_encoding=delta)
-    r_b = PatchWeightSyncer(encoding=encoding, delta_encoding=delta)
+    kw = dict(encoding=encoding, delta_encoding=delta, compression="none")
+    s_auto = PatchWeightSyncer(builder_kernel="auto", **kw)
+    s_torch = PatchWeightSyncer(builder_kernel="torch", **kw)
+    r_a, r_b = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
     send_a, b_a, sent_a = await connect(s_auto, r_a, src.state_dict(), dst_a.state_dict())
     send_b, b_b, sent_b = await connect(s_torch, r_b, src.state_dict(), dst_b.state_dict())
     for version in (1, 2, 3):
@@ -568,6 +569,8 @@ async def test_torch_builder_kernel_matches_numba(encoding, delta, receiver_dtyp
         pa, pb = sent_a[-1], sent_b[-1]
         assert type(pa) is type(pb) is WeightPatch
         assert pa.nnz > 0
+        # the drift hashes too: the fused numba builder and the torch path agree bit for bit
+        assert (pa.old_hashes is not None) == (encoding == "flat")
         assert _payload_fields(pa) == _payload_fields(pb)
         assert await r_a.apply(dst_a, b_a.recv) == version
         assert await r_b.apply(dst_b, b_b.recv) == version

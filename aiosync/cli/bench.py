@@ -6,9 +6,10 @@ master weights on the sender and a bf16 copy on the receiver. The update is real
 Adam's moments are past their first-step regime. Every mode syncs the same update.
 
 Measured per mode, all in this run: payload bytes, changed elements, bytes per changed
-element, patch build time, end-to-end time (build, encode, transfer, decode, apply) over the
-in-process channel and over a simulated 1 Gbit/s link, and whether the receiver ended
-bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of five; see
+element, patch build time, apply time (staging and writing) and write time (the part that
+holds the receiver's model exclusively, F3), end-to-end time (build, encode, transfer, decode,
+apply) over the in-process channel and over a simulated 1 Gbit/s link, and whether the
+receiver ended bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of five; see
 :func:`measure_clone`) is the yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
 optimizer step before each), after one untimed warm-up sync per mode.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import math
@@ -29,10 +31,10 @@ import torch
 
 from ..aio import run_sync
 from ..configs import load_config
+from ..messages import payload_nbytes
 from ..syncers import WeightSyncer
 from ..syncers.kernels import warm_up
 from ..syncers.snapshot import as_bits
-from ..transports.base import payload_nbytes
 from ..transports.inproc import inproc_pair
 
 GBIT_BYTES_PER_S = 1e9 / 8
@@ -156,9 +158,11 @@ async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, recei
                     version: int) -> tuple[float, int, dict]:
     t0 = time.perf_counter()
     await asyncio.gather(syncer_s.sync(state, link.send, version), syncer_r.apply(receiver, link.b.recv))
-    stats = dict(syncer_s.last_stats)
-    stats["apply_s"] = syncer_r.last_stats.get("apply_s", 0.0)
-    return time.perf_counter() - t0, syncer_s.last_stats.get("bytes", 0), stats
+    sent, applied = syncer_s.statistics(), syncer_r.statistics()
+    stats = {k: v or 0.0 for k, v in dataclasses.asdict(sent).items() if k.endswith("_s")}
+    stats["apply_s"] = applied.apply_s or 0.0
+    stats["write_s"] = applied.write_s or 0.0  # the receiver's exclusive section (F3)
+    return time.perf_counter() - t0, sent.bytes, stats
 
 
 async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup: int, seed: int,
@@ -217,8 +221,9 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
             exact[name] = exact[name] and await run_sync(bit_exact, state, receiver)
             row = samples[name]
             if phase == "e2e_s":
-                for key, value in (("e2e_s", e2e), ("bytes", nbytes), ("build_s", stats.get("build_s", stats.get("sync_s", 0.0))),
-                                   ("encode_s", stats.get("encode_s", 0.0)), ("apply_s", stats["apply_s"])):
+                for key, value in (("e2e_s", e2e), ("bytes", nbytes), ("build_s", stats["build_s"]),
+                                   ("encode_s", stats["encode_s"]), ("apply_s", stats["apply_s"]),
+                                   ("write_s", stats["write_s"])):
                     row.setdefault(key, []).append(value)
                 if before is not None:
                     changed_total += await run_sync(count_changed, before, receiver)
@@ -236,7 +241,8 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
             "name": name,
             "bytes": round(total_bytes / rounds),
             "bytes_per_changed": total_bytes / changed_total if changed_total else math.inf,
-            **{k: statistics.median(row[k]) for k in ("build_s", "encode_s", "apply_s", "e2e_s", "e2e_1gbit_s")},
+            **{k: statistics.median(row[k]) for k in ("build_s", "encode_s", "apply_s", "write_s", "e2e_s",
+                                                       "e2e_1gbit_s")},
             "bit_exact": exact[name],
             "e2e_rounds_s": row["e2e_s"], "build_rounds_s": row["build_s"],
         })
@@ -255,12 +261,13 @@ def print_table(report: dict[str, Any]) -> None:
                          f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
                          f"clone {clone * 1e3:.1f} ms (into recycled memory {report['clone_recycled_s'] * 1e3:.1f} ms); "
                          f"times: median of {report['rounds']} syncs"))
-    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "e2e ms", "e2e/clone",
-                "e2e 1Gbit ms", "bit-exact"):
+    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "write ms", "e2e ms",
+                "e2e/clone", "e2e 1Gbit ms", "bit-exact"):
         table.add_column(col, justify="right")
     for m in report["modes"]:
         table.add_row(m["name"], f"{m['bytes']:,}", f"{m['bytes_per_changed']:.3f}", f"{m['build_s'] * 1e3:.1f}",
                       f"{m['build_s'] / clone:.2f}", f"{m['encode_s'] * 1e3:.1f}", f"{m['apply_s'] * 1e3:.1f}",
+                      f"{m['write_s'] * 1e3:.1f}",
                       f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
                       f"{m['e2e_1gbit_s'] * 1e3:.1f}", "yes" if m["bit_exact"] else "NO")
     console = Console(width=max(Console().width, 160))

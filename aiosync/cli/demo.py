@@ -159,7 +159,7 @@ def _render(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoCon
     top.add_row(f"{state.elapsed():.1f}", f"{trainer.step}/{cfg.steps}", str(trainer.version),
                 f"{state.mean_return(cfg.return_window):.1f}", str(len(state.episodes)), str(state.dropped),
                 f"{totals['bytes_sent'] / delivered:,.0f}", str(totals["coalesced"]),
-                f"{m.get('loop_lag', {}).get('p99_ms', 0.0):.1f} ms")
+                f"{(m.get('loop_lag') or {}).get('p99_ms', 0.0):.1f} ms")
     per = Table(expand=False)
     for col in ("explorer", "policy version", "staleness", "rollouts", "env steps", "syncs applied", "bytes"):
         per.add_column(col, justify="right")

@@ -41,11 +41,11 @@ import torch
 from ..aio import run_sync
 from ..coordination import Synchronizer
 from ..coordination.metrics import percentile
+from ..coordination.protocol import Control
 from ..errors import PeerTimeoutError
-from ..syncers.bucket import BucketWeightSyncer
-from ..syncers.config import WeightSyncerConfig
-from ..syncers.patch import PatchWeightSyncer
-from ..transports.simulated import FaultProfile, simulated_pair
+from ..syncers.faults import ApplyFaults, flaky_syncer_factory
+from ..transports.faults import FaultProfile
+from ..transports.simulated import simulated_pair
 
 
 @dataclass
@@ -92,73 +92,9 @@ SCENARIOS = {
 }
 
 
-# ------------------------------------------------------------------ receivers that fail
-
-class ApplyFaults:
-    """Decides, from a seeded RNG, when an explorer's apply raises half way (thread-safe)."""
-
-    def __init__(self, rate: float, seed: int) -> None:
-        self.rate = rate
-        self.enabled = False
-        self.fired = 0
-        self._rng = random.Random(seed)
-        self._lock = threading.Lock()
-
-    def fire(self) -> bool:
-        with self._lock:
-            if self.enabled and self.rate and self._rng.random() < self.rate:
-                self.fired += 1
-                return True
-            return False
-
-
-class FlakyPatchSyncer(PatchWeightSyncer):
-    """A patch syncer whose apply may raise after writing half of the patch's tensors.
-
-    It keeps a journal of its writes (``journal_writes``), as any receiver whose writes can
-    fail must, so the half-written patch is rolled back and the version stays.
-    """
-
-    journal_writes = True
-    faults: ApplyFaults | None = None
-
-    def _write_tensors(self, decoded, tensors, fast, done, journal) -> None:
-        if self.faults is not None and self.faults.fire():
-            half = max(1, len(decoded) // 2)
-            super()._write_tensors(decoded[:half], tensors[:half], fast[:half], done, journal)
-            raise RuntimeError(f"injected fault: the apply raised after writing {half} of {len(decoded)} tensors")
-        super()._write_tensors(decoded, tensors, fast, done, journal)
-
-
-class FlakyBucketSyncer(BucketWeightSyncer):
-    """A bucket syncer whose apply may raise after loading half of a bucket (the PolicySlot's
-    backup restores the model)."""
-
-    faults: ApplyFaults | None = None
-
-    def _load(self, target, tensors) -> None:
-        if self.faults is not None and self.faults.fire():
-            items = list(tensors.items())
-            super()._load(target, dict(items[: len(items) // 2]))
-            raise RuntimeError("injected fault: the apply raised half way through a bucket")
-        super()._load(target, tensors)
-
-
-def flaky_syncer_factory(weight_syncer: Any, faults: ApplyFaults):
-    """A zero-argument factory (for :class:`Synchronizer`) of syncers built from the
-    ``weight_syncer`` config whose applies fail as ``faults`` decides."""
-    cfg = WeightSyncerConfig.from_any(weight_syncer)
-    comm = dict(use_ring_sync=cfg.use_ring_sync, nccl_max_ctas=cfg.nccl_max_ctas, nccl_min_ctas=cfg.nccl_min_ctas)
-
-    def make():
-        if cfg.type == "patch":
-            syncer = FlakyPatchSyncer.from_config(cfg.patch, **comm)
-        else:
-            syncer = FlakyBucketSyncer.from_config(cfg.bucket, **comm)
-        syncer.faults = faults
-        return syncer
-
-    return make
+def is_delivery(msg: Any) -> bool:
+    """Messages of the delivery line (payloads, Packets, Acks), which faults may strike."""
+    return not isinstance(msg, Control)
 
 
 # ------------------------------------------------------------------ the toy policy
@@ -221,10 +157,10 @@ async def _baseline(policy: ToyPolicy, sc: Scenario) -> list[float]:
 async def _warm_up(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
     """One syncer round trip on the toy policy, so that the numba kernels are compiled before
     short delivery timeouts start counting (the faults scenario)."""
-    from ..syncers.base import WeightSyncer
+    from ..syncers.factory import create_syncer
     from ..transports.inproc import inproc_pair
 
-    make = syncer if callable(syncer) else (lambda: WeightSyncer.create(syncer))
+    make = syncer if callable(syncer) else (lambda: create_syncer(syncer))
     sender, receiver = make(), make()
     a, b = inproc_pair(timeout=120)
     src = policy.weights(0)
@@ -267,6 +203,8 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 
     def make_link(name: str):
         pair = simulated_pair(**link, seed=next(seeds), timeout=max(60.0, 4 * sc.delivery_timeout))
+        for end in pair:  # the network's faults strike the delivery line; control messages assume TCP-like links
+            end.faults_where = is_delivery
         transports.extend(pair)
         return pair
 
@@ -336,7 +274,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
             for ex in explorers:
                 tg.start_soon(explorer_loop, ex)
             tg.start_soon(trainer_loop)
-        lag = sync.loop_lag.summary() if sync.loop_lag is not None else {}
+        lag = dataclasses.asdict(sync.loop_lag.statistics()) if sync.loop_lag is not None else {}
     # Leaving the block drained the synchronizer: check what every explorer holds.
     final = trainer.version
     expected = policy.weights(final)
@@ -344,6 +282,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
                              "differs": [k for k, v in expected.items()
                                          if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
                    for ex in explorers}
+    lines = {ex.name: sync.explorers[ex.name].line for ex in explorers}
     bit_exact = all(st["version"] == final and not st["differs"] for st in final_state.values())
     metrics = sync.metrics()
     faults_by_kind: dict[str, int] = {"fail": 0}
@@ -366,7 +305,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "delivered": metrics["totals"]["delivered"],
         "coalesced": metrics["totals"]["coalesced"],
         "max_pending": max((m["max_pending"] for m in ex_metrics.values()), default=0),
-        "versions_applied": {ex.name: list(ex.link.stats.versions_applied) for ex in explorers},
+        "versions_applied": {name: list(line.stats.versions_applied) for name, line in lines.items()},
         "final_version": final,
         "final_bit_exact": bit_exact,
         "final_state": final_state,
@@ -385,7 +324,9 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "failed": metrics["totals"]["failed"],
         "faults_injected": sum(faults_by_kind.values()),
         "faults": faults_by_kind,
-        "repairs": sum(ex.link.stats.repairs for ex in explorers),
+        "repairs": sum(line.stats.repairs for line in lines.values()),
+        "lease_wait_max_ms": max((ex.slot.stats.max_lease_wait_s for ex in explorers), default=0.0) * 1e3,
+        "exclusive_max_ms": max((ex.slot.stats.max_exclusive_s for ex in explorers), default=0.0) * 1e3,
         "sync_timeouts": sync_timeouts,
         "minutes": sc.minutes,
         "staleness": metrics["staleness"],
@@ -394,7 +335,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "syncer": sc.syncer,
         "per_explorer": {name: {k: m[k] for k in ("requests", "coalesced", "delivered", "failed", "reinits",
                                                   "bytes_sent", "timeouts")} | {
-                             "repairs": sync.explorers[name].link.stats.repairs,
+                             "repairs": lines[name].stats.repairs,
                              "last_error": m["last_error"],
                              "apply_ms_mean": m["apply_s"]["mean"] * 1e3,
                              "build_ms_mean": m["build_s"]["mean"] * 1e3,

@@ -8,6 +8,7 @@ without Hydra through :func:`aiosync.configs.load_config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_seconds(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 @dataclass
@@ -45,6 +46,8 @@ class SynchronizerConfig:
     * ``delivery_timeout``: the longest one delivery (build, transfer, apply, including waiting
       for leases to end) may take before the link gives it up and re-bootstraps the explorer.
     * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it).
+    * ``liveness_timeout``: an explorer that runs but shows no sign of life (no call into its API,
+      no lease held) for this long is declared lost: handshakes stop waiting for it.
     """
 
     method: SyncMethod = SyncMethod.MEMORY
@@ -58,6 +61,7 @@ class SynchronizerConfig:
     staleness_decay: float = 0.5
     delivery_timeout: float = 600.0
     checkpoint_dir: str | None = None
+    liveness_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         try:
@@ -79,10 +83,10 @@ class SynchronizerConfig:
                 f"synchronizer.sync_offset={self.sync_offset} only applies to style: fixed; "
                 f"set sync_offset: 0 or style: fixed (style is {self.style.value})"
             )
-        for name in ("sync_timeout", "delivery_timeout"):
+        for name in ("sync_timeout", "delivery_timeout", "liveness_timeout"):
             if not _is_seconds(getattr(self, name)):
                 raise ConfigError(
-                    f"synchronizer.{name} must be a positive number of seconds, got {getattr(self, name)!r}"
+                    f"synchronizer.{name} must be a positive, finite number of seconds, got {getattr(self, name)!r}"
                     " (every wait has a timeout; there is no 'wait forever')"
                 )
         if not isinstance(self.sync_weight_no_wait, bool):
@@ -123,25 +127,22 @@ class SynchronizerConfig:
         out["style"] = self.style.value
         return out
 
-    def check_weight_syncer(self, weight_syncer: Any) -> None:
+    def check_weight_syncer(self, syncers: Any) -> None:
         """Reject combinations with the weight syncer that cannot work, before any sync.
 
-        ``weight_syncer`` is a ``weight_syncer`` config (mapping, dataclass, OmegaConf node) or a
-        :class:`aiosync.syncers.base.WeightSyncer` class or instance.
+        ``syncers`` is a :class:`aiosync.syncers.factory.SyncerFactory`, or anything
+        :func:`aiosync.syncers.factory.syncer_factory` accepts (a ``weight_syncer`` config, a
+        zero-argument callable returning a syncer).
         """
         if not self.sync_weight_no_wait:
             return
-        from ..syncers.base import WeightSyncer
+        from ..syncers.factory import SyncerFactory, syncer_factory
 
-        if isinstance(weight_syncer, WeightSyncer) or (isinstance(weight_syncer, type) and issubclass(weight_syncer, WeightSyncer)):
-            ok = bool(weight_syncer.supports_no_wait)
-            kind = getattr(weight_syncer, "__name__", type(weight_syncer).__name__) + " (supports_no_wait is False)"
-        else:
-            from ..syncers.config import WeightSyncerConfig
-
-            kind = "weight_syncer.type: " + WeightSyncerConfig.from_any(weight_syncer).type
-            ok = kind.endswith(": patch")
-        if not ok:
+        if not isinstance(syncers, SyncerFactory):
+            syncers = syncer_factory(syncers)
+        if not syncers.supports_no_wait:
+            kind = f"weight_syncer.type: {syncers.config.type}" if syncers.config is not None else \
+                "a syncer factory whose syncers have supports_no_wait = False"
             raise ConfigError(
                 f"synchronizer.sync_weight_no_wait: true needs weight_syncer.type: patch (got {kind}): bucket mode "
                 "yields between buckets, so a background apply could expose a half-updated model. "

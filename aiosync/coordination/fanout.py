@@ -1,24 +1,26 @@
 """Fan-out (S12): one payload built once, delivered to every explorer at the same base version.
 
-Without fan-out each explorer's link owns a sender syncer (and, in patch mode, a snapshot) and
-builds its own payload for every version. With it, links share a :class:`Lineage`: one sender
-syncer whose snapshot is at ``version``, plus the last few packets it built (``history``).
+Without fan-out each explorer's delivery line owns a sender syncer (and, in patch mode, a
+snapshot) and builds its own payload for every version. With it, lines share a
+:class:`Lineage`: one sender syncer whose snapshot is at ``version``, plus the last few packets
+it built (``history``).
 
-* An explorer at the lineage's version gets the packet built for the next version; the first
-  link to ask builds it (under the lineage's lock), the others reuse it — in process by
+* A member at the lineage's version gets the packet built for the next version; the first
+  member to ask builds it (under the lineage's lock), the others reuse it — in process by
   reference, across processes the encoded frame is reused too.
-* An explorer that lags (its own delivery line coalesced a few versions away) gets the chain
-  of cached packets from its version on, each applied atomically; a bucket lineage just sends
-  its newest packet (buckets carry whole tensors, so any older version can take it).
-* An explorer whose version the history no longer reaches, or whose delivery failed, is
-  re-bootstrapped, which starts a new lineage; lineages of explorers holding the same
-  version merge at the next build (the oldest lineage wins), lineages nobody uses are dropped.
+* A member that lags (its own delivery line coalesced a few versions away) gets the chain of
+  cached packets from its version on, each applied atomically; a ``latest`` lineage (bucket
+  mode) just sends its newest packet (buckets carry whole tensors).
+* A member whose version the history no longer reaches, or whose delivery failed, must be
+  re-bootstrapped (:meth:`FanOut.serve` returns ``None``); its re-bootstrap starts a new
+  lineage (:meth:`FanOut.join`). Lineages of members holding the same version merge at the
+  next build (the oldest wins); lineages nobody follows are dropped.
 
-Coalescing stays per explorer (:class:`aiosync.coordination.link.SenderLink`). Sharing needs
-identical receivers: lineages are keyed by the receiver metadata the explorer sent during its
-init conversation (keys, shapes, dtypes, aliases). Only :class:`PatchWeightSyncer` (``chain``)
-and :class:`BucketWeightSyncer` (``latest``) lineages are shared; a custom syncer may declare
-``fan_out_mode = "chain" | "latest"``; anything else keeps one private sender per explorer.
+The fan-out keeps its own membership table and *returns* what it decided; it never changes a
+delivery line's fields. Sharing needs identical receivers: lineages are keyed by the receiver
+metadata an explorer sent in its init conversation. A syncer shares when its class declares
+``fan_out_mode = "chain"`` (incremental payloads: patch mode) or ``"latest"`` (whole tensors:
+bucket mode).
 """
 
 from __future__ import annotations
@@ -29,31 +31,30 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import anyio
 
+from ..messages import payload_nbytes
 from ..syncers.base import WeightSyncer
-from ..transports.base import payload_nbytes
+from .protocol import Packet
+from .sources import Published, own_bytes
 
-#: Packets a chain lineage keeps for explorers that lag behind.
+#: Packets a chain lineage keeps for members that lag behind.
 DEFAULT_HISTORY = 8
 
 
 def fan_out_mode(sender: WeightSyncer) -> str | None:
-    """``"chain"`` (incremental payloads: patch mode), ``"latest"`` (whole tensors: bucket mode)
-    or ``None`` (not shareable)."""
+    """``"chain"``, ``"latest"`` or ``None`` (not shareable), as the syncer's class declares."""
     mode = getattr(sender, "fan_out_mode", None)
-    if mode in ("chain", "latest"):
-        return mode
-    from ..syncers.bucket import BucketWeightSyncer
-    from ..syncers.patch import PatchWeightSyncer
+    return mode if mode in ("chain", "latest") else None
 
-    if isinstance(sender, PatchWeightSyncer):
-        return "chain"
-    if isinstance(sender, BucketWeightSyncer):
-        return "latest"
-    return None
+
+def changed_elements(syncer: WeightSyncer) -> int | None:
+    """Elements the syncer's last sync changed, when it knows."""
+    stats = getattr(syncer, "statistics", None)
+    changed = getattr(stats(), "changed", None) if callable(stats) else None
+    return changed if isinstance(changed, int) and not isinstance(changed, bool) else None
 
 
 def receiver_key(metadata: Any) -> str | None:
@@ -69,7 +70,7 @@ def receiver_key(metadata: Any) -> str | None:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def restamp(packet: Any, session: int | None) -> Any:
+def restamp(packet: Packet, session: int | None) -> Packet:
     """``packet`` for a receiver whose handshake is ``session``: payloads that carry a
     ``session`` field (patches) are shallow copies stamped with it, tensors shared. The same
     packet object comes back when nothing changes (so its encoded frame is reused)."""
@@ -89,11 +90,20 @@ def restamp(packet: Any, session: int | None) -> Any:
 class Built:
     """A packet built once by a lineage, from ``base`` (``None``: right after an init)."""
 
-    packet: Any
+    packet: Packet
     base: int | None
     nbytes: int
     changed: int | None
     build_s: float
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What :meth:`FanOut.serve` decided for a member: send ``chain`` in order (empty: the member
+    is up to date); ``built_here``: this member built the newest packet."""
+
+    chain: list
+    built_here: bool
 
 
 @dataclass(eq=False)
@@ -112,7 +122,7 @@ class Lineage:
     dropped: bool = False
 
     def chain_from(self, base: int | None) -> list[Built] | None:
-        """Packets taking an explorer at ``base`` to ``version``; ``None`` when not reachable."""
+        """Packets taking a member at ``base`` to ``version``; ``None`` when not reachable."""
         if self.mode == "latest":
             newest = self.history[-1] if self.history else None
             if newest is None:
@@ -128,7 +138,7 @@ class Lineage:
         return out if at == self.version else None
 
     def reaches(self, base: int | None) -> bool:
-        """Whether an explorer at ``base`` can be served from this lineage (now or after a build)."""
+        """Whether a member at ``base`` can be served from this lineage (now or after a build)."""
         if self.dropped:
             return False
         if self.mode == "latest":
@@ -136,52 +146,59 @@ class Lineage:
         return base is not None and (base == self.version or self.chain_from(base) is not None)
 
 
-@dataclass
-class FanOutStats:
+@dataclass(frozen=True)
+class FanOutStatistics:
     """Counters of a :class:`FanOut` (B6)."""
 
-    builds: int = 0
-    shared: int = 0
-    lineages_created: int = 0
-    lineages_dropped: int = 0
+    builds: int
+    shared: int
+    lineages: int
+    lineages_created: int
+    lineages_dropped: int
 
 
 @dataclass(eq=False)
 class FanOut:
-    """The lineages of one synchronizer, shared by its explorers' links."""
+    """The lineages of one synchronizer and who follows which (members are delivery lines)."""
 
     history: int = DEFAULT_HISTORY
-    stats: FanOutStats = field(default_factory=FanOutStats)
     lineages: list = field(default_factory=list)
+    builds: int = 0
+    shared: int = 0
+    lineages_created: int = 0
+    lineages_dropped: int = 0
+    _member_of: dict = field(default_factory=dict)
     _next_id: int = 0
 
-    def adopt(self, link: Any, sender: WeightSyncer, key: Any, packet: Any, build_s: float) -> Lineage | None:
-        """After ``link`` (re)bootstrapped with ``sender`` and built ``packet``, make that sender a
-        lineage (``None`` when the syncer cannot be shared)."""
-        self.leave(link)
+    def follows(self, member: Hashable) -> bool:
+        """Whether ``member`` follows a lineage (its packets come from :meth:`serve`)."""
+        return member in self._member_of
+
+    def join(self, member: Hashable, sender: WeightSyncer, key: Any, packet: Packet, build_s: float) -> bool:
+        """After ``member`` (re)bootstrapped with ``sender`` and built ``packet``, make that sender
+        a lineage ``member`` follows. Returns ``False`` when the syncer cannot be shared (the
+        member keeps its sender to itself)."""
+        self.leave(member)
         mode = fan_out_mode(sender)
         if mode is None:
-            return None
+            return False
         self._next_id += 1
+        built = Built(packet, None, payload_nbytes(packet.payloads), changed_elements(sender), build_s)
         limit = self.history if mode == "chain" else 1
-        changed = (sender.last_stats or {}).get("changed")
-        built = Built(packet, None, payload_nbytes(packet.payloads), changed if isinstance(changed, int) else None,
-                      build_s)
         lineage = Lineage(self._next_id, key, mode, sender, packet.version, deque([built], maxlen=limit))
-        lineage.members.add(link)
-        link.lineage, link.sender = lineage, sender
+        lineage.members.add(member)
+        self._member_of[member] = lineage
         self.lineages.append(lineage)
-        self.stats.lineages_created += 1
-        return lineage
+        self.lineages_created += 1
+        return True
 
-    def leave(self, link: Any) -> None:
-        """``link`` no longer follows its lineage (re-bootstrap, close); drop lineages nobody uses."""
-        lineage = getattr(link, "lineage", None)
+    def leave(self, member: Hashable) -> None:
+        """``member`` no longer follows its lineage (re-bootstrap, close); lineages nobody
+        follows are dropped."""
+        lineage = self._member_of.pop(member, None)
         if lineage is None:
             return
-        lineage.members.discard(link)
-        # The shared sender is no longer this link's: it must never build from it on its own.
-        link.lineage, link.sender, link.needs_reinit = None, None, True
+        lineage.members.discard(member)
         if not lineage.members:
             self._drop(lineage)
 
@@ -191,56 +208,49 @@ class FanOut:
         lineage.dropped = True
         if lineage in self.lineages:
             self.lineages.remove(lineage)
-        self.stats.lineages_dropped += 1
+        self.lineages_dropped += 1
 
-    def _move(self, link: Any, lineage: Lineage) -> None:
-        if link.lineage is lineage:
+    def _move(self, member: Hashable, lineage: Lineage) -> None:
+        old = self._member_of.get(member)
+        if old is lineage:
             return
-        old = link.lineage
-        lineage.members.add(link)
-        link.lineage = lineage
-        link.sender = lineage.sender
+        lineage.members.add(member)
+        self._member_of[member] = lineage
         if old is not None:
-            old.members.discard(link)
+            old.members.discard(member)
             if not old.members:
                 self._drop(old)
 
-    async def packets(self, link: Any, pub: Any) -> tuple[list[Built], bool] | None:
-        """The packets taking ``link``'s explorer from its applied version to ``pub.version`` (or
-        newer), building the next one if nobody did yet; ``None`` when no lineage reaches the
-        explorer's version (it must be re-bootstrapped). Returns ``(packets, built_here)``.
+    async def serve(self, member: Hashable, base: int | None, pub: Published) -> Shared | None:
+        """The packets taking ``member`` from its applied version ``base`` to ``pub.version`` (or
+        newer), building the next one if no member did yet; ``None`` when no lineage reaches
+        ``base`` (the member must be re-bootstrapped, and has left its lineage).
 
         Call it inside the source's ``borrow`` (NCCL: the handshake window is open).
         """
-        own = link.lineage
+        own = self._member_of.get(member)
         if own is None:
             return None
-        base = link.applied_version
-        candidates = [lin for lin in self.lineages
-                      if lin.key == own.key and lin.mode == own.mode and lin.reaches(base)]
+        candidates = [lin for lin in self.lineages if lin.key == own.key and lin.mode == own.mode and lin.reaches(base)]
         if not candidates:
+            self.leave(member)
             return None
         lineage = min(candidates, key=lambda lin: lin.id)
-        self._move(link, lineage)
+        self._move(member, lineage)
         async with lineage.lock:
-            if lineage.dropped:
-                return None
             built_here = False
-            if pub.version > lineage.version:
-                if not lineage.reaches(base):
-                    return None
+            if not lineage.dropped and pub.version > lineage.version and lineage.reaches(base):
                 await self._build(lineage, pub)
                 built_here = True
-            chain = lineage.chain_from(base)
+            chain = None if lineage.dropped else lineage.chain_from(base)
         if chain is None:
+            self.leave(member)
             return None
         if not built_here and chain:
-            self.stats.shared += 1
-        return chain, built_here
+            self.shared += 1
+        return Shared(chain, built_here)
 
-    async def _build(self, lineage: Lineage, pub: Any) -> None:
-        from .link import Packet
-
+    async def _build(self, lineage: Lineage, pub: Published) -> None:
         payloads: list = []
 
         async def collect(payload: Any) -> None:
@@ -254,14 +264,13 @@ class FanOut:
             self._drop(lineage)
             raise
         build_s = time.perf_counter() - t0
-        changed = (lineage.sender.last_stats or {}).get("changed")
-        lineage.history.append(Built(Packet(pub.version, payloads), lineage.version, payload_nbytes(payloads),
-                                     changed if isinstance(changed, int) else None, build_s))
+        packet = own_bytes(Packet(pub.version, payloads), pub)
+        lineage.history.append(Built(packet, lineage.version, payload_nbytes(payloads),
+                                     changed_elements(lineage.sender), build_s))
         lineage.version = pub.version
         lineage.builds += 1
-        self.stats.builds += 1
+        self.builds += 1
 
-    def summary(self) -> dict[str, Any]:
-        """Plain counters for :meth:`aiosync.Synchronizer.metrics`."""
-        return {"builds": self.stats.builds, "shared": self.stats.shared, "lineages": len(self.lineages),
-                "lineages_created": self.stats.lineages_created, "lineages_dropped": self.stats.lineages_dropped}
+    def statistics(self) -> FanOutStatistics:
+        return FanOutStatistics(self.builds, self.shared, len(self.lineages), self.lineages_created,
+                                self.lineages_dropped)

@@ -1,11 +1,14 @@
 """Metrics of the runtime (B6): timings, bytes, coalescing, event-loop lag, staleness.
 
-Everything is available as a plain dict (:meth:`aiosync.Synchronizer.metrics`) and through
-:mod:`logging` (:func:`log_metrics`, and one DEBUG line per delivery on ``aiosync.sync``).
+One shape throughout, anyio style: every component keeps mutable counters and hands out a
+frozen snapshot from ``statistics()``. :meth:`aiosync.Synchronizer.statistics` gathers them;
+:meth:`aiosync.Synchronizer.metrics` is the same as plain dicts (:func:`as_plain`), and
+:func:`log_metrics` logs it as one line (plus one DEBUG line per delivery on ``aiosync.sync``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,9 +30,20 @@ def percentile(values: "list[float] | deque[float]", q: float) -> float:
     return float(ordered[rank - 1])
 
 
+@dataclass(frozen=True)
+class Series:
+    """A snapshot of a :class:`RunningStat`: count, total, last, max and mean of a series."""
+
+    count: int = 0
+    total: float = 0.0
+    last: float = 0.0
+    max: float = 0.0
+    mean: float = 0.0
+
+
 @dataclass
 class RunningStat:
-    """Count, total, last, max and mean of a series (seconds, bytes, ...)."""
+    """Count, total, last and max of a series (seconds, bytes, ...); :meth:`snapshot` freezes it."""
 
     count: int = 0
     total: float = 0.0
@@ -46,8 +60,18 @@ class RunningStat:
     def mean(self) -> float:
         return self.total / self.count if self.count else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"count": self.count, "total": self.total, "last": self.last, "max": self.max, "mean": self.mean}
+    def snapshot(self) -> Series:
+        return Series(self.count, self.total, self.last, self.max, self.mean)
+
+
+@dataclass(frozen=True)
+class LoopLagStatistics:
+    """Event-loop lag in milliseconds (:class:`LoopLagMonitor`)."""
+
+    samples: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
 
 
 @dataclass(eq=False)
@@ -64,9 +88,10 @@ class LoopLagMonitor:
     samples: deque = field(default_factory=deque)
     _stop: bool = False
 
-    async def run(self) -> None:
-        """The ticker: runs until :meth:`stop` is called or the task is cancelled."""
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """The ticker: runs until :meth:`stop` is called or the task is cancelled (``start()``-able)."""
         self._stop = False
+        task_status.started()
         while not self._stop:
             start = time.perf_counter()
             await anyio.sleep(self.interval)
@@ -81,15 +106,22 @@ class LoopLagMonitor:
     def reset(self) -> None:
         self.samples.clear()
 
-    def summary(self) -> dict[str, float]:
-        """Lag in milliseconds: ``p50_ms``, ``p99_ms``, ``max_ms``, and the sample count."""
+    def statistics(self) -> LoopLagStatistics:
+        """Lag in milliseconds: p50, p99, max, and the sample count."""
         s = list(self.samples)
-        return {
-            "samples": len(s),
-            "p50_ms": percentile(s, 50) * 1e3,
-            "p99_ms": percentile(s, 99) * 1e3,
-            "max_ms": (max(s) if s else 0.0) * 1e3,
-        }
+        return LoopLagStatistics(len(s), percentile(s, 50) * 1e3, percentile(s, 99) * 1e3,
+                                 (max(s) if s else 0.0) * 1e3)
+
+
+def as_plain(stats: Any) -> Any:
+    """A statistics dataclass (nested, possibly in dicts) as plain dicts, lists and values."""
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        return {f.name: as_plain(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
+    if isinstance(stats, dict):
+        return {k: as_plain(v) for k, v in stats.items()}
+    if isinstance(stats, (list, tuple)):
+        return [as_plain(v) for v in stats]
+    return stats
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,6 +14,7 @@ holding explicit shared state, paired ``*_nowait`` / awaiting methods, precise e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,15 +50,42 @@ def _state_tensors(model: Any) -> dict[str, torch.Tensor]:
 
 @dataclass
 class SlotStats:
-    """Counters of a :class:`PolicySlot`."""
+    """Counters of a :class:`PolicySlot` (mutable; read a snapshot with :meth:`PolicySlot.statistics`)."""
 
     leases: int = 0
     applies: int = 0
     failed_applies: int = 0
     last_apply_s: float = 0.0
     total_apply_s: float = 0.0
+    #: How long the last apply waited for the leases in use to end.
     last_lock_wait_s: float = 0.0
+    #: How long the last apply held the model exclusively (leases waited meanwhile).
+    last_exclusive_s: float = 0.0
+    max_exclusive_s: float = 0.0
+    #: Leases that had to wait for an apply, and the longest such wait.
+    leases_waited: int = 0
+    max_lease_wait_s: float = 0.0
     max_concurrent_leases: int = 0
+
+
+@dataclass(frozen=True)
+class SlotStatistics:
+    """A snapshot of a :class:`PolicySlot`'s counters (see :class:`SlotStats`) and state."""
+
+    version: int | None
+    readers: int
+    applying: bool
+    leases: int
+    applies: int
+    failed_applies: int
+    last_apply_s: float
+    total_apply_s: float
+    last_lock_wait_s: float
+    last_exclusive_s: float
+    max_exclusive_s: float
+    leases_waited: int
+    max_lease_wait_s: float
+    max_concurrent_leases: int
 
 
 @dataclass(eq=False)
@@ -103,6 +131,10 @@ class PolicySlot(Generic[M]):
         """Whether an apply holds the model right now."""
         return self._writing
 
+    def statistics(self) -> SlotStatistics:
+        """A frozen snapshot of the counters and the state."""
+        return SlotStatistics(self.version, self._readers, self._writing, **dataclasses.asdict(self.stats))
+
     def _can_read(self) -> bool:
         # Writer preference: a waiting apply holds back new leases, so it cannot starve.
         return not self._writing and not self._writers_waiting and self.version is not None
@@ -129,13 +161,19 @@ class PolicySlot(Generic[M]):
         :class:`aiosync.errors.PeerTimeoutError` after ``timeout`` (default: the slot's).
         """
         timeout = self.timeout if timeout is None else timeout
-        try:
-            with anyio.fail_after(timeout):
-                while not self._can_read():
-                    await self._changed.wait()
-        except TimeoutError as exc:
-            why = "no weights were applied yet" if self.version is None else "an apply held the model"
-            raise PeerTimeoutError(f"lease not granted within {timeout}s: {why}") from exc
+        if not self._can_read():
+            started = time.perf_counter()
+            try:
+                with anyio.fail_after(timeout):
+                    while not self._can_read():
+                        await self._changed.wait()
+            except TimeoutError as exc:
+                why = "no weights were applied yet" if self.version is None else "an apply held the model"
+                raise PeerTimeoutError(f"lease not granted within {timeout}s: {why}") from exc
+            if self.version is not None:
+                waited = time.perf_counter() - started
+                self.stats.leases_waited += 1
+                self.stats.max_lease_wait_s = max(self.stats.max_lease_wait_s, waited)
         lease = self._enter_read()
         try:
             yield lease
@@ -157,7 +195,7 @@ class PolicySlot(Generic[M]):
     # -- the writer -------------------------------------------------------------------
 
     async def apply(self, write: Callable[[M], Awaitable[int]], *, timeout: float | None = None,
-                    backup: bool | None = None, allow_same: bool = False) -> int:
+                    backup: bool | None = None, allow_same: bool = False, version: int | None = None) -> int:
         """Write a new version into the model atomically with respect to leases.
 
         ``write(model)`` writes the new weights and returns their version (e.g. a syncer's
@@ -170,16 +208,20 @@ class PolicySlot(Generic[M]):
         ``write`` that is all-or-nothing by itself (a patch syncer validates before writing and
         rolls its own writes back); the default is the slot's ``backup``. ``allow_same=True``
         also accepts the current version again (re-bootstrapping the version already held).
+        ``version``, when the write's version is known in advance (a staged write), is checked
+        before anything is written.
         """
         timeout = self.timeout if timeout is None else timeout
         backup = self.backup if backup is None else backup
         async with self._apply_lock:
+            if backup:
+                # Taken while leases go on reading: this apply is the only writer (the lock),
+                # and leases only read, so the copy is consistent without holding them back.
+                await run_sync(self._take_backup)
             started = time.perf_counter()
-            # Registered before the backup: leases asked for from now on wait for this apply.
+            # From here, leases asked for wait for this apply (writer preference).
             self._writers_waiting += 1
             try:
-                if backup:
-                    await run_sync(self._take_backup)  # leases still in use only read
                 with anyio.fail_after(timeout):
                     while self._writing or self._readers:
                         await self._changed.wait()
@@ -195,21 +237,18 @@ class PolicySlot(Generic[M]):
             self.stats.last_lock_wait_s = time.perf_counter() - started
             t0 = time.perf_counter()
             try:
+                if version is not None:
+                    self._check_version(version, allow_same)  # before anything is written
                 new_version = await write(self.model)
                 if isinstance(new_version, bool) or not isinstance(new_version, int):
                     raise VersionError(f"apply returned {new_version!r}, not an integer version")
-                if self.version is not None and (new_version < self.version or (
-                        new_version == self.version and not allow_same)):
-                    raise VersionError(
-                        f"apply returned version {new_version}, not above the applied version {self.version}"
-                    )
+                self._check_version(new_version, allow_same)
             except BaseException as exc:
                 with anyio.CancelScope(shield=True):
                     await self._rollback(backup)
                 self.stats.failed_applies += 1
                 self.last_error = exc
-                self._writing = False
-                self._notify()
+                self._release_writer(t0)
                 if isinstance(exc, Exception):
                     raise ApplyError(
                         f"apply failed and was rolled back (version stays {self.version}): {type(exc).__name__}: {exc}"
@@ -221,9 +260,19 @@ class PolicySlot(Generic[M]):
             self.stats.applies += 1
             self.stats.last_apply_s = dt
             self.stats.total_apply_s += dt
-            self._writing = False
-            self._notify()
+            self._release_writer(t0)
             return self.version
+
+    def _check_version(self, version: int, allow_same: bool) -> None:
+        if self.version is not None and (version < self.version or (version == self.version and not allow_same)):
+            raise VersionError(f"apply returned version {version}, not above the applied version {self.version}")
+
+    def _release_writer(self, t0: float) -> None:
+        held = time.perf_counter() - t0
+        self.stats.last_exclusive_s = held
+        self.stats.max_exclusive_s = max(self.stats.max_exclusive_s, held)
+        self._writing = False
+        self._notify()
 
     def _take_backup(self) -> None:
         tensors = _state_tensors(self.model)
@@ -251,13 +300,24 @@ class PolicySlot(Generic[M]):
 
 @dataclass
 class LatestSlotStats:
-    """Counters of a :class:`LatestSlot`."""
+    """Counters of a :class:`LatestSlot` (mutable; read a snapshot with :meth:`LatestSlot.statistics`)."""
 
     puts: int = 0
     coalesced: int = 0
     taken: int = 0
     #: Most items ever waiting at once (1 by construction: shown so that it can be checked).
     max_pending: int = 0
+
+
+@dataclass(frozen=True)
+class LatestSlotStatistics:
+    """A snapshot of a :class:`LatestSlot`'s counters."""
+
+    puts: int
+    coalesced: int
+    taken: int
+    max_pending: int
+    pending: int
 
 
 _EMPTY: Any = object()
@@ -291,6 +351,10 @@ class LatestSlot(Generic[T]):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def statistics(self) -> LatestSlotStatistics:
+        """A frozen snapshot of the counters."""
+        return LatestSlotStatistics(**dataclasses.asdict(self.stats), pending=self.pending)
 
     def peek(self) -> T | None:
         """The waiting item, or ``None``."""

@@ -95,14 +95,19 @@ class StalenessFilter:
         self.dropped += dropped
         return FilterResult(kept, weights, dropped, staleness)
 
-    def summary(self) -> dict[str, Any]:
+    def statistics(self) -> "StalenessStatistics":
         """Totals since creation: samples seen, dropped, mean and max staleness."""
         total = sum(self.histogram.values())
         mean = sum(k * n for k, n in self.histogram.items()) / total if total else 0.0
-        return {
-            "max_staleness_allowed": self.max_staleness,
-            "seen": self.seen,
-            "dropped": self.dropped,
-            "mean": mean,
-            "max": max(self.histogram, default=0),
-        }
+        return StalenessStatistics(self.max_staleness, self.seen, self.dropped, mean, max(self.histogram, default=0))
+
+
+@dataclass(frozen=True)
+class StalenessStatistics:
+    """What a :class:`StalenessFilter` saw."""
+
+    max_staleness_allowed: int | None
+    seen: int
+    dropped: int
+    mean: float
+    max: int

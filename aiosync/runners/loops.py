@@ -16,7 +16,8 @@ from typing import Any
 
 import anyio
 
-from ..coordination.synchronizer import ExplorerHandle, TrainerHandle
+from ..coordination.explorer import Explorer as ExplorerHandle
+from ..coordination.trainer import TrainerHandle
 
 
 class TrainerLoop:

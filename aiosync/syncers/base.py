@@ -1,4 +1,4 @@
-"""The weight-syncer interface (W1) and its factory (W2).
+"""The weight-syncer interface (W1), its registry (W2), staging (F3) and statistics.
 
 A weight syncer moves a policy's weights from one sender to one receiver. It sees only two
 async callables, ``send(payload)`` and ``recv()``; it knows nothing of the transport.
@@ -12,6 +12,17 @@ Receiver side::
 
     await syncer.init_receiver(model.state_dict(), recv, send)   # once
     version = await syncer.apply(model, recv)                    # per sync
+
+Staged receiver side (F3: only the write needs the model exclusively)::
+
+    await syncer.stage_init(model.state_dict(), recv, send)     # reads the model only
+    staged = await syncer.stage(model, recv)                     # reads the model only
+    async with exclusive_access(model):
+        version = await staged.write(model)                      # all-or-nothing
+
+Implementations register under their config ``type`` with a class keyword
+(``class PatchWeightSyncer(WeightSyncer, type_name="patch")``); :meth:`WeightSyncer.create`
+looks them up, so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -19,12 +30,43 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ..errors import ConfigError
 from ..messages import RecvFn, SendFn
-from .config import CommOptions, WeightSyncerConfig
+from .config import SYNCER_TYPES, CommOptions, WeightSyncerConfig
+
+
+@dataclass(frozen=True)
+class SyncStatistics:
+    """What the last ``sync`` (sender) or ``apply`` / staged write (receiver) did.
+
+    Fields that do not apply to a side or a mode are ``None``: ``changed`` is unknown to a
+    bucket sender; ``build_s`` / ``encode_s`` / ``send_s`` are the sender's, ``stage_s`` /
+    ``write_s`` / ``apply_s`` the receiver's (``apply_s`` = staging + writing; ``write_s`` is the
+    part that holds the model exclusively).
+    """
+
+    version: int | None = None
+    bytes: int = 0
+    changed: int | None = None
+    elements: int | None = None
+    build_s: float | None = None
+    encode_s: float | None = None
+    send_s: float | None = None
+    stage_s: float | None = None
+    write_s: float | None = None
+    apply_s: float | None = None
+    buckets: int | None = None
+
+    @property
+    def bytes_per_changed(self) -> float | None:
+        """Payload bytes per changed element (``None`` when unknown, 0.0 when nothing changed)."""
+        if self.changed is None:
+            return None
+        return self.bytes / self.changed if self.changed else 0.0
 
 
 @dataclass(eq=False)
@@ -53,7 +95,20 @@ class StagedWrite:
 
 
 class WeightSyncer(ABC):
-    """Base class of :class:`PatchWeightSyncer` and :class:`BucketWeightSyncer`."""
+    """Base class of :class:`PatchWeightSyncer` and :class:`BucketWeightSyncer`.
+
+    A subclass registers itself for :meth:`create` under a config ``type`` with the class
+    keyword ``type_name`` (``class MySyncer(WeightSyncer, type_name="patch")``); it then needs a
+    ``from_config(node, **comm)`` classmethod taking that type's config node.
+    """
+
+    #: config ``type`` → implementation; filled by ``__init_subclass__``.
+    _registry: ClassVar[dict[str, type["WeightSyncer"]]] = {}
+    #: How a synchronizer may share one sender among explorers (S12, X2): ``"chain"`` (patches
+    #: form a version chain every explorer at the same version can share), ``"latest"`` (each
+    #: sync carries the whole state: an explorer needs only the newest), ``None`` (one private
+    #: sender per explorer).
+    fan_out_mode: ClassVar[str | None] = None
 
     #: ``True`` when ``apply`` swaps in a whole version at once, so it may run in the
     #: background while rollouts continue (``sync_weight_no_wait``). Bucket mode is not.
@@ -68,11 +123,31 @@ class WeightSyncer(ABC):
     #: section, with a backup of the model for rollback.
     supports_staging: bool = False
 
+    def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if type_name is not None:
+            if type_name not in SYNCER_TYPES:
+                raise TypeError(f"type_name {type_name!r} is not a weight_syncer type ({', '.join(SYNCER_TYPES)})")
+            WeightSyncer._registry[type_name] = cls
+
     def __init__(self, *, use_ring_sync: bool = False, nccl_max_ctas: int | None = None,
                  nccl_min_ctas: int | None = None) -> None:
         self._comm_options = CommOptions.or_none(use_ring_sync, nccl_max_ctas, nccl_min_ctas)
-        #: Statistics of the last ``sync`` / ``apply``: bytes, changed elements, timings.
-        self.last_stats: dict[str, Any] = {}
+        self._statistics = SyncStatistics()
+
+    @classmethod
+    def from_config(cls, node: Any, **comm: Any) -> "WeightSyncer":
+        """Build from this type's config node (``weight_syncer.<type>``) and the shared
+        communication options; registered implementations define it."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
+
+    def statistics(self) -> SyncStatistics:
+        """What the last ``sync`` (sender) or ``apply`` / staged write (receiver) did."""
+        return self._statistics
+
+    def require_full_bootstrap(self) -> None:
+        """Make this syncer's init conversation send the whole state (a repair must not trust
+        the receiver's old weights). A no-op for syncers whose every sync is whole."""
 
     @property
     def comm_options(self) -> CommOptions | None:
@@ -87,15 +162,18 @@ class WeightSyncer(ABC):
         or an unknown key, naming it.
         """
         cfg = WeightSyncerConfig.from_any(config)
-        comm = dict(use_ring_sync=cfg.use_ring_sync, nccl_max_ctas=cfg.nccl_max_ctas,
-                    nccl_min_ctas=cfg.nccl_min_ctas)
-        if cfg.type == "patch":
-            from .patch import PatchWeightSyncer
+        return WeightSyncer.implementation(cfg.type).from_config(
+            getattr(cfg, cfg.type), use_ring_sync=cfg.use_ring_sync, nccl_max_ctas=cfg.nccl_max_ctas,
+            nccl_min_ctas=cfg.nccl_min_ctas)
 
-            return PatchWeightSyncer.from_config(cfg.patch, **comm)
-        from .bucket import BucketWeightSyncer
-
-        return BucketWeightSyncer.from_config(cfg.bucket, **comm)
+    @staticmethod
+    def implementation(type_name: str) -> type["WeightSyncer"]:
+        """The class registered for config ``type`` ``type_name`` (:class:`ConfigError` if none)."""
+        cls = WeightSyncer._registry.get(type_name)
+        if cls is None:
+            valid = ", ".join(sorted(WeightSyncer._registry)) or "none registered"
+            raise ConfigError(f"unknown weight_syncer.type {type_name!r}; valid types are: {valid}")
+        return cls
 
     @abstractmethod
     async def init_sender(self, state_dict: Mapping[str, torch.Tensor],

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ..dtypes import dtype_from_name, dtype_name
 from ..errors import CodecUnavailableError, PayloadError
 from .payloads import CompressedWeightPatch, WeightPatch
 
@@ -143,7 +144,7 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
     streams: dict[str, torch.Tensor] = {"cols": patch.cols}
     if patch.rows is not None:
         streams["rows"] = patch.rows
-    dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in streams.items()}
+    dtypes = {k: dtype_name(v.dtype) for k, v in streams.items()}
     sizes = {k: v.numel() * v.element_size() for k, v in streams.items()}
     if codec == "zstd":
         jobs = {k: shuffle_bytes(_np_u8(v), v.element_size()) for k, v in streams.items()}
@@ -176,11 +177,11 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
         version=patch.version, base_version=patch.base_version, encoding=patch.encoding,
         delta_encoded=patch.delta_encoded, codec=codec, ordinals=patch.ordinals,
         nnz_per_tensor=patch.nnz_per_tensor, blobs=blobs, dtypes=dtypes, sizes=sizes, gap_bytes=patch.gap_bytes,
-        session=patch.session, checksums=patch.checksums,
+        session=patch.session, checksums=patch.checksums, old_hashes=patch.old_hashes,
     )
 
 
-_INDEX_DTYPES = {"uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
+_INDEX_DTYPES = (torch.uint8, torch.int32, torch.int64)
 
 
 def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> WeightPatch:
@@ -233,11 +234,11 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
         return int(idx)
 
     def index_stream(name: str) -> torch.Tensor:
-        dtype = _INDEX_DTYPES.get(cp.dtypes.get(name, ""))
-        if dtype is None:
+        dtype = dtype_from_name(cp.dtypes.get(name))
+        if dtype not in _INDEX_DTYPES:
             raise PayloadError(f"compressed patch stream {name!r} has unknown dtype {cp.dtypes.get(name)!r}")
         raw = stream(name)
-        width = torch.empty((), dtype=dtype).element_size()
+        width = dtype.itemsize
         if (raw.numel() if isinstance(raw, torch.Tensor) else raw.size) % width:
             raise PayloadError(f"compressed patch stream {name!r} is not a whole number of {dtype} elements")
         if isinstance(raw, torch.Tensor):
@@ -272,4 +273,5 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
         version=cp.version, base_version=cp.base_version, encoding=cp.encoding,
         delta_encoded=cp.delta_encoded, ordinals=cp.ordinals, nnz_per_tensor=cp.nnz_per_tensor,
         rows=rows, cols=cols, values=values, gap_bytes=cp.gap_bytes, session=cp.session, checksums=cp.checksums,
+        old_hashes=cp.old_hashes,
     )

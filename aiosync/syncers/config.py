@@ -1,7 +1,10 @@
 """Configuration of the weight syncers: the ``weight_syncer`` config group (W2-W4).
 
 The shipped YAML files live in ``aiosync/configs/weight_syncer/``; see
-:func:`aiosync.configs.load_config`.
+:func:`aiosync.configs.load_config`. The dataclass defaults below are the one home of every
+default: they equal the shipped YAML (a test holds them to it), and the syncers' constructors
+take their keyword defaults from them, so ``{"type": "patch"}``,
+``load_config("weight_syncer/patch_syncer")`` and ``PatchWeightSyncer()`` mean the same thing.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 class InitSyncConfig:
     """One-time bootstrap of the receiver before patching starts (W8)."""
 
-    enabled: bool = False
+    enabled: bool = True
     prefixes: list[str] | None = None
     bucket_size: int = 134217728
 
@@ -95,11 +98,11 @@ class PatchConfig:
     """Options of :class:`aiosync.PatchWeightSyncer` (the ``patch:`` node)."""
 
     snapshot_device: str = "cpu"
-    transport_device: str | None = None
+    transport_device: str | None = "cpu"  # null means cpu
     delta_encoding: bool = True
-    compression: str = "none"
-    encoding: str = "coo"
-    compression_level: int = 3
+    compression: str = "zstd"
+    encoding: str = "flat"
+    compression_level: int = 1
     recv_timeout: float | None = 600.0
     verify_checksums: bool = False
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)

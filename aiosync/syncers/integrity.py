@@ -12,8 +12,11 @@
 * :func:`new_session` — a random id that ties a receiver's handshake, its bootstrap buckets
   and its patches together, so that a stale or duplicated payload of another handshake is
   refused instead of being applied to the wrong weights.
+* :func:`drift_hash` — the drift check of ``flat`` patches (always on): a 64-bit hash of the
+  old bits at a tensor's changed positions, O(changes). The numba kernels compute the same
+  value (:func:`aiosync.syncers.kernels.mix64`); see docs/wire-format.md.
 
-None of this runs on the patch hot path unless ``verify_checksums`` is on.
+Checksums run on the patch hot path only when ``verify_checksums`` is on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import dtype_name
 from ..errors import PayloadError
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -58,7 +62,7 @@ def bucket_checksum(bucket: Mapping[str, torch.Tensor], skip: str) -> int:
         t = bucket[key]
         if not isinstance(t, torch.Tensor):
             raise PayloadError(f"bucket entry {key!r} is a {type(t).__name__}, not a tensor")
-        head = f"{key}\x00{str(t.dtype).removeprefix('torch.')}\x00{tuple(t.shape)}\x00".encode()
+        head = f"{key}\x00{dtype_name(t.dtype)}\x00{tuple(t.shape)}\x00".encode()
         crc = zlib.crc32(head, crc)
         crc = tensor_checksum(t, crc)
     return crc
@@ -69,19 +73,62 @@ def checksum_tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def read_checksums(t: Any, n: int, what: str) -> list[int]:
-    """Validate a received checksum tensor of ``n`` entries and return it as ints."""
-    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise PayloadError(f"{what} checksums must be an integer tensor")
+def read_checksums(t: Any, n: int, what: str, field: str = "checksums") -> list[int]:
+    """Validate a received per-tensor int64 tensor (``checksums``, ``old_hashes``) of ``n``
+    entries and return it as ints."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+        raise PayloadError(f"{what} {field} must be an int64 tensor")
     if t.numel() != n:
-        raise PayloadError(f"{what} carries {t.numel()} checksums for {n} tensors (truncated or malformed)")
-    return t.reshape(-1).to(torch.int64).tolist()
+        raise PayloadError(f"{what} carries {t.numel()} {field} for {n} tensors (truncated or malformed)")
+    return t.reshape(-1).tolist()
+
+
+# ------------------------------------------------------------------ drift check
+_MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+
+
+def _s64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 math)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def drift_hash(positions: torch.Tensor, old_bits: torch.Tensor) -> int:
+    """``Σ mix(p, old) mod 2**64`` over a tensor's changes, as a signed int64 (how it travels).
+
+    ``positions`` are row-major positions, ``old_bits`` the bit patterns (any integer dtype of
+    the element's width, read unsigned) at them. ``mix`` is splitmix64's finaliser of
+    ``p × 0x9E3779B97F4A7C15 XOR old``. Any device; O(len(positions)).
+    """
+    if positions.numel() == 0:
+        return 0
+    width = old_bits.element_size()
+    old = old_bits.reshape(-1).to(torch.int64)
+    if width < 8:
+        old = old & ((1 << (8 * width)) - 1)
+    x = positions.reshape(-1).to(device=old.device, dtype=torch.int64) * _s64(GOLDEN) ^ old
+    x = x ^ _lsr(x, 30)
+    x = x * _s64(MIX1)
+    x = x ^ _lsr(x, 27)
+    x = x * _s64(MIX2)
+    x = x ^ _lsr(x, 31)
+    # sum the 32-bit halves separately: each sum fits an int64 (no signed overflow in the sum)
+    lo = int((x & 0xFFFFFFFF).sum())
+    hi = int(_lsr(x, 32).sum())
+    return _s64((lo + (hi << 32)) & _MASK64)
 
 
 # ------------------------------------------------------------------ manifests
 def encode_manifest(buckets: list[list[tuple[str, torch.Size | tuple, torch.dtype]]]) -> torch.Tensor:
     """``[[(name, shape, dtype), ...] per bucket]`` → a uint8 tensor of UTF-8 JSON."""
-    doc = [[[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in bucket]
+    doc = [[[name, list(shape), dtype_name(dtype)] for name, shape, dtype in bucket]
            for bucket in buckets]
     raw = json.dumps(doc, separators=(",", ":")).encode()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

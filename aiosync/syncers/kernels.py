@@ -109,6 +109,24 @@ def _flatten(m, s, idx, cnt):  # pragma: no cover - compiled
     return cnt + pc
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def mix64(pos, old):  # pragma: no cover - compiled
+    """The drift check's per-change term: splitmix64's finaliser of ``pos × golden XOR old``
+    (``old`` zero-extended). :func:`aiosync.syncers.integrity.drift_hash` is the torch twin."""
+    x = (np.uint64(pos) * _GOLDEN) ^ np.uint64(old)
+    x ^= x >> np.uint64(30)
+    x *= _MIX1
+    x ^= x >> np.uint64(27)
+    x *= _MIX2
+    x ^= x >> np.uint64(31)
+    return x
+
+
 # Blocks of 64 elements whose changes are collected before the second pass writes them out
 # (measured best between 16 and 32: large enough to amortise the switch, small enough that
 # the blocks' cache lines are still in L1).
@@ -380,15 +398,16 @@ def fused_cast_matches_torch() -> bool:
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - compiled
+def diff_encode_flat(src, snap, fused, gaps, nibs, exc, base=0):  # pragma: no cover - compiled
     """Diff one chunk and emit the ``flat`` encoding directly (no intermediate arrays).
 
     ``src`` and ``fused`` as in :func:`diff_update`. Changed elements update ``snap`` and
     append a LEB128 gap (positions relative to the chunk, the first one from -1) to ``gaps``,
     a value nibble to ``nibs`` (one per byte) and, for escaped codes, the whole code to
     ``exc`` (``(width, n)`` byte planes). Returns ``(changes, gap bytes, exceptions, bytes of
-    the first varint, first position, last position)`` so that chunks can be stitched into
-    one stream per tensor.
+    the first varint, first position, last position, drift hash)`` so that chunks can be
+    stitched into one stream per tensor; the drift hash sums :func:`mix64` of every change's
+    position in the tensor (``base`` + position in the chunk) and old bits, modulo 2**64.
     """
     width = _width(snap)
     n = snap.shape[0]
@@ -401,6 +420,8 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - c
     prev = np.int64(-1)
     first_len = 0
     first_pos = np.int64(-1)
+    hsum = np.uint64(0)
+    base = np.int64(base)
     for b in range(nblocks):
         s = b * 64
         end = min(n, s + 64)
@@ -421,6 +442,7 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - c
                 h = _load(src, j, fused)
                 o = np.uint64(snap[j])
                 snap[j] = h
+                hsum += mix64(base + j, o)
                 gap = np.uint64(j - prev - 1)
                 prev = j
                 if gap < np.uint64(0x80):  # nearly always at RL densities: no loop
@@ -431,7 +453,7 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc):  # pragma: no cover - c
                 e = _put_value(nibs, k, exc, e, _zigzag(h, o, width))
                 k += 1
             cnt = 0
-    return k, g, e, first_len, first_pos, prev
+    return k, g, e, first_len, first_pos, prev, hsum
 
 
 def varint_bytes(value: int) -> bytes:
@@ -458,6 +480,8 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
     todo = [w for w in widths if w not in _WARM]
     if not todo:
         return
+    from . import kernels_write as kw
+
     dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
     for w in todo:
         dt = dtypes[w]
@@ -465,8 +489,11 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         new, snap = np.ones(n, dt), np.zeros(n, dt)
         pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
         diff_update(new, snap.copy(), False, pos, nv, ov, 0)
+        k0 = kw.diff_positions(new, snap, pos, nv, 0)
+        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:k0])
+        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:0])
         gaps, nibs, exc = np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((w, n), np.uint8)
-        k, g, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc)
+        k, g, _, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc, 0)
         encode_flat(pos, nv, ov, 0, -1, gaps, nibs, exc)
         packed = np.zeros((k + 1) // 2, np.uint8)
         pack_nibbles(nibs[:k], packed)
@@ -476,8 +503,11 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         decode_gaps(gaps, 0, g, k, n, out, False)
         apply_flat(np.zeros(n, dt), out, packed, 0, exc, 0, k)
         apply_flat_gaps(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0)
+        old = np.empty(k, dt)
+        kw.apply_flat_gaps_logged(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0, old)
+        kw.restore_gaps(np.zeros(n, dt), gaps, 0, k, old)
         if w == 2:
             src = np.ones(n, np.uint32)
             diff_update(src, snap.copy(), True, pos, nv, ov, 0)
-            diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc)
+            diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc, 0)
         _WARM.add(w)

@@ -2,99 +2,68 @@
 
 The sender keeps a snapshot of the synced tensors in the *receiver's* dtypes. Each sync
 diffs the current weights against it bit for bit, encodes the changed positions and values,
-optionally compresses them, and advances the snapshot. The receiver validates the whole
-patch, then writes it in place; if a write fails, the written part is rolled back.
+optionally compresses them, and advances the snapshot.
+
+The receiver stages (F3): it downloads, decompresses and validates a patch (and a bootstrap)
+while only reading its model (:meth:`PatchWeightSyncer.stage_init`, :meth:`~PatchWeightSyncer.stage`);
+the :class:`~aiosync.syncers.base.StagedWrite` it returns does the writing, all-or-nothing.
+``init_receiver`` and ``apply`` are staging plus writing at once.
 
 Patch-chain integrity (B3): every patch names the version it was built on and the handshake
 (session) it belongs to; a receiver holding another version, or belonging to another
-handshake, refuses it before writing anything. With ``verify_checksums`` the patch also
-carries a CRC-32 of every tensor it touches as the sender's snapshot holds it afterwards; the
-receiver checks the tensors it wrote and rolls the whole patch back on a mismatch.
+handshake, refuses it before writing anything. ``flat`` patches always carry a drift check
+(a hash of the old bits at the changed positions, verified before anything is written). With
+``verify_checksums`` a patch also carries a CRC-32 of every tensor it touches as the sender's
+snapshot holds it afterwards; the receiver checks the tensors it wrote and rolls the whole
+patch back on a mismatch.
+
+Helpers: :mod:`.patch_handshake` (metadata, answer, plan), :mod:`.patch_receiver` (validate,
+write), :mod:`.staging` (bootstrap writes, journal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import torch
 
 from ..aio import run_sync, wait_event
-from ..errors import (AiosyncError, ApplyError, ChecksumError, ConfigError, HandshakeError, PatchChainError,
-                      PayloadError, VersionError)
-from ..transports.base import RecvFn, SendFn, payload_nbytes
-from .base import WeightSyncer, recv_with_timeout
-from .bucket import (BucketReader, bucket_manifest, check_no_reserved_keys, check_version,
-                     iter_named_tensor_buckets, load_into, seal_bucket)
-from .codecs import check_codec_available, compress_patch, decompress_patch
-from .config import InitSyncConfig, PatchConfig
-from .indexing import as_coo_2d_view, coo_2d_shape
-from .integrity import checksum_tensor, new_session, read_checksums, tensor_checksum
-from .patch_format import DecodedTensor, TensorLayout, assemble_flat_patch, decode_patch, encode_patch
-from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
-from .selection import alias_groups, is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
-from .snapshot import FlatDiff, Snapshot, as_bits
+from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
+from ..messages import RecvFn, SendFn, payload_nbytes
+from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from .bucket_format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
+                            iter_named_tensor_buckets, seal_bucket)
+from .codecs import check_codec_available, compress_patch
+from .config import PatchConfig
+from .integrity import checksum_tensor, new_session, tensor_checksum
+from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
+from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
+                              receiver_metadata, sender_layouts)
+from .patch_receiver import PreparedPatch, ReceiverState, prepare_patch, write_patch
+from .payloads import ReceiverMetadata, SenderHello, WeightPatch
+from .snapshot import FlatDiff, Snapshot
+from .staging import FullStateWrite, Journal, warm_up_kernels
+from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
-def _dtype_from_str(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).removeprefix("torch."), None) if isinstance(name, str) else None
-    if not isinstance(dt, torch.dtype):
-        raise HandshakeError(f"unknown dtype {name!r} in receiver metadata")
-    return dt
+_D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+@dataclass
+class _PendingInit:
+    """A handshake staged by ``stage_init``: committed by the next staged write."""
+
+    rx: ReceiverState
+    plan: FullStateWrite | None  # the bootstrap, planned; None without one
+    nbytes: int
+    stage_s: float
 
 
-def _check_metadata(meta: ReceiverMetadata) -> None:
-    """Structure of the receiver's metadata: anything malformed is a :class:`HandshakeError`."""
-    keys, shapes, dtypes = meta.ordered_keys, meta.original_shapes, meta.dtypes
-    if not all(isinstance(x, (list, tuple)) for x in (keys, shapes, dtypes)):
-        raise HandshakeError("receiver metadata is malformed: keys, shapes and dtypes must be lists")
-    if len(shapes) != len(keys) or len(dtypes) != len(keys):
-        raise HandshakeError("receiver metadata is inconsistent: keys, shapes and dtypes differ in length")
-    if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
-        raise HandshakeError("receiver metadata is malformed: keys must be distinct strings")
-    for k, shape in zip(keys, shapes):
-        if not isinstance(shape, (list, tuple, torch.Size)) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise HandshakeError(f"receiver metadata gives {k!r} the malformed shape {shape!r}")
-    for d in dtypes:
-        _dtype_from_str(d)
-    if not isinstance(meta.aliases, dict) or not all(
-            isinstance(a, str) and isinstance(b, str) and a in keys and b in keys for a, b in meta.aliases.items()):
-        raise HandshakeError("receiver metadata is malformed: aliases must map keys to keys")
-    viewable = meta.viewable
-    if not isinstance(viewable, (list, tuple)) or (viewable and len(viewable) != len(keys)) or not all(
-            isinstance(v, bool) for v in viewable):
-        raise HandshakeError("receiver metadata is malformed: viewable must be empty or one bool per key")
-    if meta.session is not None and not _is_int(meta.session):
-        raise HandshakeError(f"receiver metadata has a malformed session {meta.session!r}")
-
-
-def _check_hello(hello: SenderHello, n_keys: int, session: int | None) -> None:
-    """Structure of the sender's answer: anything malformed is a :class:`HandshakeError`."""
-    if not isinstance(hello.ok, bool) or not isinstance(hello.init_sync, bool):
-        raise HandshakeError("the sender's answer is malformed: ok and init_sync must be bools")
-    if not hello.ok:
-        return
-    if hello.session is not None and hello.session != session:
-        raise HandshakeError("the sender's answer belongs to another handshake (a stale or duplicated message)")
-    ords = hello.synced_ordinals
-    if not isinstance(ords, (list, tuple)) or not all(_is_int(o) and 0 <= o < n_keys for o in ords):
-        raise HandshakeError(f"the sender's answer names synced ordinals outside [0, {n_keys})")
-    if any(b <= a for a, b in zip(ords, ords[1:])):
-        raise HandshakeError("the sender's answer lists synced ordinals that are not strictly increasing")
-
-
-def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
-    """Floating ↔ floating casts are allowed; integer and bool tensors must match exactly."""
-    fa, fb = a.is_floating_point, b.is_floating_point
-    return (fa and fb) or a == b
-
-
-class PatchWeightSyncer(WeightSyncer):
+class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     """Incremental sync of changed elements.
 
     Parameters keep the seed's names: ``snapshot_device`` (``cpu`` or ``cuda``),
@@ -106,27 +75,30 @@ class PatchWeightSyncer(WeightSyncer):
     ``docs/wire-format.md``), ``compression_level`` (zstd), ``recv_timeout`` (seconds any
     wait on the peer may take), ``builder_kernel`` (``auto`` or ``torch``),
     ``verify_checksums`` (send a CRC-32 of every touched tensor; the receiver verifies what it
-    wrote and rolls back on a mismatch; off by default and free when off).
+    wrote and rolls back on a mismatch; off by default and free when off). Defaults are those
+    of :class:`~aiosync.syncers.config.PatchConfig` (the shipped ``patch_syncer.yaml``).
     """
 
     supports_no_wait = True
     payloads_per_sync = 1
-    #: Keep the old bits of every write so that a failure after some tensors were written can
-    #: be rolled back even on the numba fast path (always done when a patch carries checksums).
-    journal_writes = False
+    supports_staging = True
+    fan_out_mode = "chain"
+    #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
+    #: write was written (see :mod:`aiosync.syncers.faults`); ``None`` writes tensors in parallel.
+    after_each_write: Callable[[int, int], None] | None = None
 
-    def __init__(self, snapshot_device: str = "cpu", transport_device: str | None = None,
-                 delta_encoding: bool = True, compression: str = "none", init_sync_enabled: bool = False,
-                 init_sync_prefixes: list[str] | None = None, init_sync_bucket_size: int = 134217728, *,
-                 encoding: str = "coo", compression_level: int = 3, recv_timeout: float | None = 600.0,
-                 builder_kernel: str = "auto", verify_checksums: bool = False, **comm: Any) -> None:
+    def __init__(self, snapshot_device: str = _D.snapshot_device, transport_device: str | None = _D.transport_device,
+                 delta_encoding: bool = _D.delta_encoding, compression: str = _D.compression,
+                 init_sync_enabled: bool = _D.init_sync.enabled, init_sync_prefixes: list[str] | None = None,
+                 init_sync_bucket_size: int = _D.init_sync.bucket_size, *, encoding: str = _D.encoding,
+                 compression_level: int = _D.compression_level, recv_timeout: float | None = _D.recv_timeout,
+                 builder_kernel: str = "auto", verify_checksums: bool = _D.verify_checksums, **comm: Any) -> None:
         super().__init__(**comm)
         self.config = PatchConfig(
             snapshot_device=snapshot_device, transport_device=transport_device, delta_encoding=delta_encoding,
             compression=compression, encoding=encoding, compression_level=compression_level,
             recv_timeout=recv_timeout, verify_checksums=verify_checksums,
-            init_sync=InitSyncConfig(enabled=init_sync_enabled, prefixes=init_sync_prefixes,
-                                     bucket_size=init_sync_bucket_size),
+            init_sync={"enabled": init_sync_enabled, "prefixes": init_sync_prefixes, "bucket_size": init_sync_bucket_size},
         )
         check_codec_available(compression)  # fail when built, not at the first sync (W12)
         if str(snapshot_device).startswith("cuda") and not torch.cuda.is_available():
@@ -143,11 +115,12 @@ class PatchWeightSyncer(WeightSyncer):
         self._last_version: int | None = None
         self._chain_broken: str | None = None  # why the snapshot is out of step (a failed build)
         self._bootstrap_keys: list[str] = []
-        self._session: int | None = None  # the handshake's id (both sides)
-        # receiver state
-        self._recv_keys: list[str] = []
-        self._recv_layouts: dict[int, TensorLayout] = {}
+        self._session: int | None = None  # the handshake's id, as the sender echoes it
+        # receiver state: changes only when a staged write succeeds
+        self._rx = ReceiverState()
         self.version: int | None = None
+        self._pending: _PendingInit | None = None
+        self._generation = 0  # bumped by every commit and every new handshake: older staged writes are void
 
     @classmethod
     def from_config(cls, cfg: PatchConfig, **comm: Any) -> "PatchWeightSyncer":
@@ -157,6 +130,11 @@ class PatchWeightSyncer(WeightSyncer):
                    init_sync_bucket_size=cfg.init_sync.bucket_size, encoding=cfg.encoding,
                    compression_level=cfg.compression_level, recv_timeout=cfg.recv_timeout,
                    verify_checksums=cfg.verify_checksums, **comm)
+
+    def require_full_bootstrap(self) -> None:
+        """The next ``init_sender`` bootstraps the whole state dict (``init_sync`` on, no prefixes)."""
+        init = dataclasses.replace(self.config.init_sync, enabled=True, prefixes=None)
+        self.config = dataclasses.replace(self.config, init_sync=init)
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -184,7 +162,7 @@ class PatchWeightSyncer(WeightSyncer):
             raise
         self._is_sender = is_sender
         self._names = names
-        await run_sync(_warm_up_kernels, [state_dict[k] for k in names])
+        await run_sync(warm_up_kernels, [state_dict[k] for k in names])
         if not is_sender:
             self._slot_keys = names
             self._bootstrap_keys = boot
@@ -199,11 +177,11 @@ class PatchWeightSyncer(WeightSyncer):
         try:
             if not isinstance(meta, ReceiverMetadata):
                 raise HandshakeError(f"expected ReceiverMetadata from the receiver, got {type(meta).__name__}")
-            _check_metadata(meta)
-            slots, dtypes = self._plan(state_dict, names, boot, meta)
+            check_metadata(meta)
+            slots, dtypes = plan_slots(state_dict, names, boot, meta)
         except HandshakeError as exc:
             session = getattr(meta, "session", None)
-            await send(SenderHello(ok=False, error=str(exc), session=session if _is_int(session) else None))
+            await send(SenderHello(ok=False, error=str(exc), session=session if is_int(session) else None))
             raise
         self._session = meta.session
         ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
@@ -212,11 +190,7 @@ class PatchWeightSyncer(WeightSyncer):
         if boot:
             await self._bootstrap(state_dict, boot, meta, send)
         self._slot_keys = slots
-        self._layouts = []
-        for k in slots:
-            rows, cols = coo_2d_shape(meta.original_shapes[ordinal[k]])
-            esize = torch.empty((), dtype=dtypes[k]).element_size()
-            self._layouts.append(TensorLayout(ordinal[k], rows, cols, esize))
+        self._layouts = sender_layouts(slots, meta, dtypes)
         self._elem_sizes = {lay.ordinal: lay.elem_size for lay in self._layouts}
         snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel)
         await run_sync(self._take_snapshot, snapshot, state_dict, [dtypes[k] for k in slots])
@@ -226,54 +200,19 @@ class PatchWeightSyncer(WeightSyncer):
         self._last_version = None
         self._chain_broken = None
 
-    def _plan(self, state_dict, names: list[str], boot: list[str], meta: ReceiverMetadata):
-        """Check keys, shapes and dtypes; order the synced keys by receiver ordinal, one per alias group."""
-        ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
-        recv_dtypes = {k: _dtype_from_str(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}
-        viewable = dict(zip(meta.ordered_keys, meta.viewable)) if meta.viewable else {}
-        for key in list(dict.fromkeys(names + boot)):
-            if key not in ordinal:
-                raise HandshakeError(f"sender key {key!r} is missing on the receiver")
-            want = tuple(meta.original_shapes[ordinal[key]])
-            have = tuple(state_dict[key].shape)
-            if want != have:
-                raise HandshakeError(f"shape mismatch for {key!r}: sender {have}, receiver {want}")
-            if not _same_kind(state_dict[key].dtype, recv_dtypes[key]):
-                raise HandshakeError(
-                    f"dtype mismatch for {key!r}: sender {state_dict[key].dtype}, receiver {recv_dtypes[key]} "
-                    "(only floating-point tensors may change dtype)")
-        for key in names:
-            if viewable and not viewable.get(key, True):
-                raise HandshakeError(
-                    f"receiver tensor {key!r} of shape {tuple(meta.original_shapes[ordinal[key]])} cannot be viewed "
-                    "as 2-D without a copy, so patch mode cannot write it; make it contiguous or use bucket mode")
-        canonical = {k: meta.aliases.get(k, k) for k in names}
-        seen: set[str] = set()
-        slots = []
-        for key in sorted(names, key=ordinal.__getitem__):
-            if canonical[key] in seen:
-                continue
-            seen.add(canonical[key])
-            slots.append(key)
-        return slots, recv_dtypes
-
     async def _bootstrap(self, state_dict, keys: list[str], meta: ReceiverMetadata, send: SendFn) -> None:
-        dtypes = {k: _dtype_from_str(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}
+        dtypes = {k: metadata_dtype(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}
         sized = ((k, torch.empty(state_dict[k].shape, dtype=dtypes[k], device="meta")) for k in keys)
         buckets = list(iter_named_tensor_buckets(sized, self.config.init_sync.bucket_size))
-
         manifest = bucket_manifest(buckets)
-        checksum = self.config.verify_checksums
 
-        def build(i, bucket):
-            tensors = {k: materialize(state_dict[k]).to(device=self._transport_device, dtype=dtypes[k])
-                       for k, _ in bucket}
+        def build(i, bucket):  # cast_for_bucket: every tensor owns its bytes (never the live state)
+            tensors = {k: cast_for_bucket(state_dict[k], dtypes[k], self._transport_device) for k, _ in bucket}
             return seal_bucket(tensors, index=i, count=len(buckets), manifest=manifest if i == 0 else None,
-                               session=meta.session, checksum=checksum)
+                               session=meta.session, checksum=self.config.verify_checksums)
 
         for i, bucket in enumerate(buckets):
-            payload = await run_sync(build, i, bucket)
-            await send(payload)
+            await send(await run_sync(build, i, bucket))
 
     def _take_snapshot(self, snapshot: Snapshot, state_dict, dtypes: list[torch.dtype]) -> None:
         # Materialise every synced key in state-dict order, as ranks with is_sender=False do, so
@@ -331,14 +270,9 @@ class PatchWeightSyncer(WeightSyncer):
         t2 = time.perf_counter()
         await send(patch)
         t3 = time.perf_counter()
-        changed = sum(d.nnz for d in diffs)  # TensorDiff and FlatDiff both count changes
-        nbytes = payload_nbytes(patch)
-        self.last_stats = {
-            "version": version, "bytes": nbytes, "changed": changed,
-            "elements": sum(lay.numel for lay in self._layouts),
-            "bytes_per_changed": nbytes / changed if changed else 0.0,
-            "build_s": t1 - t0, "encode_s": t2 - t1, "send_s": t3 - t2,
-        }
+        self._statistics = SyncStatistics(
+            version=version, bytes=payload_nbytes(patch), changed=sum(d.nnz for d in diffs),  # both diff kinds count
+            elements=sum(lay.numel for lay in self._layouts), build_s=t1 - t0, encode_s=t2 - t1, send_s=t3 - t2)
         self._last_version = version
 
     def _build(self, state_dict):
@@ -387,217 +321,137 @@ class PatchWeightSyncer(WeightSyncer):
     # ============================================================== receiver
     async def init_receiver(self, state_dict: Mapping[str, torch.Tensor], recv: RecvFn,
                             send: SendFn | None = None) -> None:
-        """Send this model's metadata (W7); apply the bootstrap if the sender sends one (W8)."""
+        """Send this model's metadata (W7); write the bootstrap if the sender sends one (W8).
+
+        :meth:`stage_init` and writing its bootstrap at once; a bootstrap is written only once
+        every bucket arrived and passed (a broken-off stream writes nothing)."""
+        await self.stage_init(state_dict, recv, send)
+        await self._write_staged(state_dict, None, rollback=False, generation=self._generation,
+                                 pending=self._pending)
+
+    async def stage_init(self, state_dict: Mapping[str, torch.Tensor], recv: RecvFn,
+                         send: SendFn | None = None) -> None:
+        """The init conversation of :meth:`init_receiver` without writing: metadata out, answer
+        in, the bootstrap received, validated and planned against ``state_dict`` (read only). The
+        next staged write writes the bootstrap with its patch, all-or-nothing; until then this
+        receiver keeps its committed version, session and layouts."""
         if send is None:
             raise ValueError("patch mode's init_receiver needs `send` to send its metadata to the sender")
+        t0 = time.perf_counter()
         check_no_reserved_keys(state_dict.keys())
-        keys = list(state_dict.keys())
-        await run_sync(_warm_up_kernels, list(state_dict.values()))
-        viewable = []
-        for k in keys:
-            try:
-                as_coo_2d_view(state_dict[k], k)
-                viewable.append(True)
-            except ValueError:
-                viewable.append(False)
-        session = new_session()
-        meta = ReceiverMetadata(
-            ordered_keys=keys, original_shapes=[tuple(state_dict[k].shape) for k in keys],
-            dtypes=[str(state_dict[k].dtype).removeprefix("torch.") for k in keys],
-            aliases=alias_groups(state_dict), viewable=viewable, session=session,
-        )
-        self._session = None  # until the handshake succeeded, no patch is accepted
-        self._recv_layouts = {}
-        self.version = None
+        self._pending = None
+        self._generation += 1  # staged writes of the previous handshake are void
+        await run_sync(warm_up_kernels, list(state_dict.values()))
+        meta = await run_sync(receiver_metadata, state_dict, new_session())
         await send(meta)
         hello = await recv_with_timeout(recv, self.config.recv_timeout, "the sender's answer to our metadata")
-        if not isinstance(hello, SenderHello):
-            raise HandshakeError(f"expected SenderHello from the sender, got {type(hello).__name__}")
-        _check_hello(hello, len(keys), session)
-        if not hello.ok:
-            raise HandshakeError(f"the sender refused this receiver: {hello.error}")
+        check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
-        session = session if hello.session is not None else None
+        session = meta.session if hello.session is not None else None
+        plan, nbytes = None, 0
         if hello.init_sync:
-            await self._receive_bootstrap(state_dict, recv, session)
-        self._recv_keys = keys
-        self._recv_layouts = {}
-        for o in hello.synced_ordinals:
-            t = state_dict[keys[o]]
-            rows, cols = coo_2d_shape(t.shape)
-            self._recv_layouts[o] = TensorLayout(o, rows, cols, t.element_size())
-        self.version = None
-        self._session = session
+            plan, nbytes = await self._receive_bootstrap(state_dict, recv, session)
+        rx = ReceiverState(meta.ordered_keys, receiver_layouts(state_dict, meta.ordered_keys, hello.synced_ordinals),
+                           session)
+        self._pending = _PendingInit(rx, plan, nbytes, time.perf_counter() - t0)
+        self._generation += 1
 
-    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None) -> None:
+    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None):
         # The first bucket's manifest is checked against the whole model before anything is
-        # loaded; a stream that breaks off later leaves the earlier buckets loaded (a
-        # PolicySlot's backup restores them when applied through a synchronizer).
+        # planned; each bucket is validated, then planned (compared with the model) and dropped.
         reader = BucketReader(state_dict, versioned=False, session=session,
                               require_checksum=self.config.verify_checksums)
+        plan, nbytes = FullStateWrite(), 0
         while not reader.done:
             payload = await recv_with_timeout(recv, self.config.recv_timeout, "a bootstrap bucket")
             tensors = await run_sync(reader.read, payload)
-            await run_sync(load_into, state_dict, tensors)
+            nbytes += payload_nbytes(payload)
+            await run_sync(plan.add, state_dict, tensors)
+        return plan, nbytes
 
     async def apply(self, model: torch.nn.Module | Mapping[str, torch.Tensor], recv: RecvFn) -> int:
         """Receive one patch, validate it whole, write it in place; return its version.
 
         Raises :class:`PatchChainError` when the patch was built on another base version,
-        :class:`VersionError` when its version does not advance, :class:`PayloadError` when it
-        is malformed. In every case nothing was written.
+        :class:`VersionError` when its version does not advance, :class:`DriftError` when this
+        receiver's old values at the changed positions are not the sender's,
+        :class:`PayloadError` when it is malformed. In every case nothing was written.
         """
-        payload = await recv_with_timeout(recv, self.config.recv_timeout, "a weight patch")
-        return await self.apply_payload(model, payload)
+        staged = await self.stage(model, recv)
+        return await staged.write(model)
 
     async def apply_payload(self, model, payload: Any) -> int:
         """Apply an already received patch payload (see :meth:`apply`)."""
+        staged = await self.stage_payload(model, payload)
+        return await staged.write(model)
+
+    async def stage(self, model: torch.nn.Module | Mapping[str, torch.Tensor], recv: RecvFn) -> StagedWrite:
+        """Receive one patch and validate it without writing (see :meth:`WeightSyncer.stage`)."""
+        payload = await recv_with_timeout(recv, self.config.recv_timeout, "a weight patch")
+        return await self.stage_payload(model, payload)
+
+    async def stage_payload(self, model, payload: Any) -> StagedWrite:
+        """:meth:`stage` for an already received payload."""
         t0 = time.perf_counter()
-        if not isinstance(payload, (WeightPatch, CompressedWeightPatch, EmptyWeightPatch)):
-            raise PayloadError(f"expected a weight patch, got {type(payload).__name__}")
-        version = payload.version
-        check_version(version)
-        if self.version is not None and version <= self.version:
-            raise VersionError(f"patch version {version} does not advance the applied version {self.version}")
-        base = payload.base_version
-        if base is not None and not _is_int(base):
-            raise PayloadError(f"patch {version} has a malformed base_version {base!r}")
-        if base != self.version:
-            raise PatchChainError(
-                f"patch {version} was built on version {base}, but this receiver holds {self.version}",
-                expected_base=base, receiver_version=self.version)
-        if self._session is not None and (not _is_int(payload.session) or payload.session != self._session):
-            raise PayloadError(f"patch {version} belongs to another handshake (a stale or duplicated payload); "
-                               "refused, nothing was written")
-        changed = 0
-        if not isinstance(payload, EmptyWeightPatch):
-            target = module_state_dict(model)
-            # Validated, written and committed as one step: a cancellation arriving while the
-            # worker thread runs (it cannot be interrupted) must not leave new weights under
-            # the old version. Validation fails before anything is written.
-            with anyio.CancelScope(shield=True):
-                changed = await run_sync(self._apply_patch, target, payload)
-                self.version = version
-        self.version = version
-        self.last_stats = {"version": version, "bytes": payload_nbytes(payload), "changed": changed,
-                           "apply_s": time.perf_counter() - t0}
+        target = module_state_dict(model)
+        pending, generation = self._pending, self._generation
+        rx = pending.rx if pending is not None else self._rx
+        version_now = None if pending is not None else self.version
+        prepared = await run_sync(prepare_patch, payload, rx, version_now, target,
+                                  verify_checksums=self.config.verify_checksums)
+        stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
+        boot = pending.plan if pending is not None and pending.plan is not None else None
+
+        async def write(model, rollback: bool = True) -> int:
+            return await self._write_staged(model, prepared, rollback=rollback, generation=generation,
+                                            pending=pending, stage_s=stage_s)
+
+        return StagedWrite(prepared.version, write,
+                           nbytes=prepared.nbytes + (pending.nbytes if pending is not None else 0),
+                           changed=prepared.changed + (boot.changed if boot is not None else 0), stage_s=stage_s)
+
+    async def _write_staged(self, model, prepared: PreparedPatch | None, *, rollback: bool, generation: int,
+                            pending: _PendingInit | None, stage_s: float | None = None) -> int | None:
+        """Write a staged bootstrap and/or patch as one all-or-nothing step, then commit."""
+        if generation != self._generation or pending is not self._pending:
+            raise PatchChainError("this staged write was staged against an earlier state of the receiver (another "
+                                  "write or handshake came first); stage again. Nothing was written",
+                                  expected_base=None, receiver_version=self.version)
+        target = module_state_dict(model)
+        rx = pending.rx if pending is not None else self._rx
+        t0 = time.perf_counter()
+        # Written and committed as one step: a cancellation arriving while the worker thread
+        # writes (it cannot be interrupted) must not leave new weights under the old version.
+        with anyio.CancelScope(shield=True):
+            changed = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
+            if pending is not None:
+                self._rx, self._pending = pending.rx, None
+            version = self.version = prepared.version if prepared is not None else None
+            self._generation += 1
+        write_s = time.perf_counter() - t0
+        stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
+        nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
+        self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, stage_s=stage_s,
+                                          write_s=write_s, apply_s=stage_s + write_s)
         return version
 
-    def _decode(self, target: Mapping[str, torch.Tensor], payload):
-        """Validate ``payload`` whole against this receiver; returns what :meth:`_write` needs.
-
-        Everything malformed raises :class:`PayloadError` (never another exception type), and
-        nothing is written.
-        """
+    def _write_sync(self, target, rx: ReceiverState, pending: _PendingInit | None, prepared: PreparedPatch | None,
+                    rollback: bool) -> int:
+        """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure."""
+        journal = Journal() if rollback else None
         try:
-            elem_sizes = {o: lay.elem_size for o, lay in self._recv_layouts.items()}
-            if isinstance(payload, CompressedWeightPatch):
-                payload = decompress_patch(payload, elem_sizes)
-            decoded = decode_patch(payload, self._recv_layouts)
-            checksums = None
-            if payload.checksums is not None:
-                checksums = read_checksums(payload.checksums, len(decoded), f"patch {payload.version}")
-            elif self.config.verify_checksums:
-                raise PayloadError(f"patch {payload.version} carries no checksums but verify_checksums is on")
-            tensors = []
-            for d in decoded:
-                key = self._recv_keys[d.ordinal]
-                t = target[key]
-                lay = self._recv_layouts[d.ordinal]
-                if tuple(coo_2d_shape(t.shape)) != (lay.rows, lay.cols) or t.element_size() != lay.elem_size:
-                    raise PayloadError(f"receiver tensor {key!r} changed shape or dtype since init_receiver")
-                tensors.append(t)
-        except AiosyncError:
-            raise
-        except Exception as exc:  # garbage that slipped past the checks: still the library's error
-            raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
-        return decoded, tensors, checksums
-
-    def _apply_patch(self, target: Mapping[str, torch.Tensor], payload) -> int:
-        """Validate and write ``payload`` (both steps, in the calling thread)."""
-        return self._write(target, self._decode(target, payload))
-
-    def _write(self, target: Mapping[str, torch.Tensor], prepared) -> int:
-        """Write a validated patch; on any failure (including a checksum mismatch) roll back
-        everything written and raise. Without checksums or ``journal_writes`` the numba fast
-        path keeps no old values: once validated, its writes cannot fail."""
-        decoded, tensors, checksums = prepared
-        fast = [d.is_delta and t.device.type == "cpu" and t.is_contiguous() and not d.payload.is_cuda
-                for d, t in zip(decoded, tensors)]
-        journal = [] if (checksums is not None or self.journal_writes) else None
-        done: list = []  # torch-path writes: (view, index, old bits)
-        try:
-            self._write_tensors(decoded, tensors, fast, done, journal)
-            if checksums is not None:
-                for d, t, want in zip(decoded, tensors, checksums):
-                    if tensor_checksum(t) != want:
-                        raise ChecksumError(
-                            f"tensor {self._recv_keys[d.ordinal]!r} does not match the sender's checksum after "
-                            "applying the patch (corrupted in transit, or this receiver's weights had drifted); "
-                            "the patch was rolled back")
-        except BaseException as exc:  # roll back what was written
-            with torch.no_grad():
-                for view, index, old in reversed(done):
-                    view[index] = old
-                for flat, positions, old in reversed(journal or []):
-                    flat[positions] = old
-            if isinstance(exc, ChecksumError) or not isinstance(exc, Exception):
+            changed = 0
+            if pending is not None and pending.plan is not None:
+                pending.plan.check(target)
+                changed += pending.plan.write(target, journal, self.after_each_write)
+            if prepared is not None and prepared.decoded:
+                changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
+            return changed
+        except BaseException as exc:
+            if journal is not None:
+                journal.rollback()
+            if isinstance(exc, AiosyncError) or not isinstance(exc, Exception):
                 raise
-            raise ApplyError(f"writing the patch failed and was rolled back: {exc}") from exc
-        return sum(d.count for d in decoded)
+            undone = "was rolled back" if journal is not None else "may have left part of it written (rollback=False)"
+            raise ApplyError(f"writing the patch failed and {undone}: {exc}") from exc
 
-    def _write_tensors(self, decoded, tensors, fast, done: list, journal: list | None) -> None:
-        """Write every tensor: fallible torch writes first (recorded in ``done``), then the
-        numba writes (recorded in ``journal`` when it is not ``None``)."""
-        with torch.no_grad():
-            for d, t, f in zip(decoded, tensors, fast):
-                if not f:
-                    view, index, new, old = self._prepare(t, d)
-                    view[index] = new
-                    done.append((view, index, old))
-        jobs = [(t, d) for d, t, f in zip(decoded, tensors, fast) if f]
-        if journal is not None:
-            for t, d in jobs:
-                flat = as_bits(t).view(-1)
-                journal.append((flat, d.positions, flat[d.positions].clone()))
-        if len(jobs) > 1:
-            from .patch_format import _codec_pool
-
-            list(_codec_pool().map(lambda job: _apply_flat_cpu(*job), jobs))
-        elif jobs:
-            _apply_flat_cpu(*jobs[0])
-
-    def _prepare(self, t: torch.Tensor, d: DecodedTensor):
-        """Gather old bits and compute new bits for one tensor; writes nothing."""
-        lay = self._recv_layouts[d.ordinal]
-        pos = d.positions.to(t.device)
-        if t.is_contiguous():
-            view = as_bits(t).view(-1)
-            index = pos
-        else:
-            view = as_bits(as_coo_2d_view(t, self._recv_keys[d.ordinal]))
-            r = torch.div(pos, lay.cols, rounding_mode="floor")
-            index = (r, pos - r * lay.cols)
-        old = view[index]
-        return view, index, d.new_bits(old), old
-
-
-def _warm_up_kernels(tensors: list[torch.Tensor]) -> None:
-    """Compile the numba kernels for these tensors' element widths during set-up."""
-    from .kernels import warm_up
-
-    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in (1, 2, 4, 8)})))
-
-
-def _apply_flat_cpu(t: torch.Tensor, d: DecodedTensor) -> None:
-    """Numba fast path: write a validated flat patch into a contiguous CPU tensor."""
-    from .kernels import apply_flat, apply_flat_gaps
-    from .snapshot import _np_bits
-
-    target = _np_bits(t.view(-1))
-    if d.gaps is not None:  # positions straight from the validated gap stream
-        apply_flat_gaps(target, d.gaps, d.gap_start, d.count, d.payload.numpy(), d.nib_off, d.exceptions.numpy(),
-                        d.exc_off)
-    else:
-        apply_flat(target, d.positions.numpy(), d.payload.numpy(), d.nib_off, d.exceptions.numpy(), d.exc_off,
-                   d.count)

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import PayloadError
 from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
+from .integrity import drift_hash
 from .payloads import EmptyWeightPatch, WeightPatch
 from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff, _np_bits
 
@@ -224,7 +225,13 @@ def assemble_flat_patch(diffs: list[FlatDiff], layouts: list[TensorLayout], *, v
         nnz_per_tensor=downscale_nonnegative_indices(torch.tensor([d.nnz for d in diffs], dtype=torch.int64)),
         rows=None, cols=torch.from_numpy(np.concatenate([d.gaps for d in diffs])), values=torch.from_numpy(values),
         gap_bytes=downscale_nonnegative_indices(torch.tensor([d.gaps.size for d in diffs], dtype=torch.int64)),
+        old_hashes=torch.tensor([_as_int64(d.old_hash) for d in diffs], dtype=torch.int64),
     )
+
+
+def _as_int64(h: int) -> int:
+    """An unsigned 64-bit hash as the int64 with the same bits."""
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 def encode_patch(diffs: list[TensorDiff], layouts: list[TensorLayout], *, version: int,
@@ -235,7 +242,7 @@ def encode_patch(diffs: list[TensorDiff], layouts: list[TensorLayout], *, versio
     device = diffs[0].positions.device
     ordinals = torch.tensor([layouts[d.slot].ordinal for d in diffs], dtype=torch.int64, device=device)
     nnz = torch.tensor([d.nnz for d in diffs], dtype=torch.int64, device=device)
-    rows = gap_bytes = None
+    rows = gap_bytes = old_hashes = None
     if encoding == "coo":
         rows_l, cols_l = [], []
         for d in diffs:
@@ -252,13 +259,14 @@ def encode_patch(diffs: list[TensorDiff], layouts: list[TensorLayout], *, versio
     elif encoding == "flat":
         cols, values, gap_bytes = _encode_flat(diffs, layouts)
         gap_bytes = downscale_nonnegative_indices(gap_bytes)
+        old_hashes = torch.tensor([drift_hash(d.positions, d.old_bits) for d in diffs], dtype=torch.int64)
     else:
         raise ValueError(f"unknown patch encoding {encoding!r}")
     return WeightPatch(
         version=version, base_version=base_version, encoding=encoding,
         delta_encoded=bool(delta_encoding and encoding == "coo"),
         ordinals=downscale_nonnegative_indices(ordinals), nnz_per_tensor=downscale_nonnegative_indices(nnz),
-        rows=rows, cols=cols, values=values, gap_bytes=gap_bytes,
+        rows=rows, cols=cols, values=values, gap_bytes=gap_bytes, old_hashes=old_hashes,
     )
 
 

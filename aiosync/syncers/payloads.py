@@ -3,7 +3,10 @@
 Handshake (patch mode): the receiver sends :class:`ReceiverMetadata`, the sender answers
 with :class:`SenderHello`; then the optional bootstrap buckets follow. Each sync is then one
 :class:`WeightPatch`, :class:`CompressedWeightPatch` or :class:`EmptyWeightPatch`.
-Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket`).
+Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket_format`).
+
+Every class here is a registered message type (:func:`aiosync.messages.message`): a receiving
+process rebuilds them field by field, never by unpickling.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..messages import message
 
+
+@message
 @dataclass
 class ReceiverMetadata:
     """What the receiver tells the sender about its model (W7)."""
@@ -29,6 +35,7 @@ class ReceiverMetadata:
     session: int | None = None
 
 
+@message
 @dataclass
 class SenderHello:
     """The sender's answer to :class:`ReceiverMetadata`: accepted (and whether a bootstrap
@@ -43,6 +50,7 @@ class SenderHello:
     session: int | None = None
 
 
+@message
 @dataclass
 class EmptyWeightPatch:
     """Nothing changed since ``base_version``; applying it still moves the receiver to ``version``."""
@@ -53,6 +61,7 @@ class EmptyWeightPatch:
     session: int | None = None
 
 
+@message
 @dataclass
 class WeightPatch:
     """Changed elements of the synced tensors (W10).
@@ -82,6 +91,10 @@ class WeightPatch:
     #: ``verify_checksums`` only: int64 CRC-32 of each touched tensor *after* the patch, in
     #: ``ordinals`` order; the receiver verifies them after writing and rolls back on a mismatch.
     checksums: torch.Tensor | None = None
+    #: the drift check (required for ``flat``): per touched tensor, in ``ordinals`` order, an int64
+    #: hash of the *old* bits at its changed positions (:func:`aiosync.syncers.integrity.drift_hash`);
+    #: the receiver compares it with its own bits before writing anything (``DriftError``).
+    old_hashes: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -90,10 +103,11 @@ class WeightPatch:
     @property
     def nbytes(self) -> int:
         tensors = [self.ordinals, self.nnz_per_tensor, self.rows, self.cols, self.values, self.gap_bytes,
-                   self.checksums]
+                   self.checksums, self.old_hashes]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+@message
 @dataclass
 class CompressedWeightPatch:
     """A :class:`WeightPatch` whose index and value arrays are compressed (W12, B1).
@@ -116,6 +130,8 @@ class CompressedWeightPatch:
     gap_bytes: torch.Tensor | None = None
     session: int | None = None
     checksums: torch.Tensor | None = None
+    #: as :attr:`WeightPatch.old_hashes` (carried as is, not compressed).
+    old_hashes: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -123,7 +139,6 @@ class CompressedWeightPatch:
 
     @property
     def nbytes(self) -> int:
+        extra = [self.ordinals, self.nnz_per_tensor, self.gap_bytes, self.checksums, self.old_hashes]
         return (sum(b.numel() for b in self.blobs.values())
-                + self.ordinals.numel() * self.ordinals.element_size()
-                + self.nnz_per_tensor.numel() * self.nnz_per_tensor.element_size()
-                + (self.checksums.numel() * 8 if self.checksums is not None else 0))
+                + sum(t.numel() * t.element_size() for t in extra if t is not None))

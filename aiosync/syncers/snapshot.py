@@ -82,6 +82,7 @@ class FlatDiff:
     gaps: np.ndarray  # uint8 LEB128 varints, first gap from -1
     nibbles: np.ndarray  # uint8, one value nibble per change (packed two per byte on the wire)
     exceptions: np.ndarray  # uint8 (width, escaped changes): whole zig-zag codes, byte-plane-wise
+    old_hash: int = 0  # the drift hash of the old bits at the changed positions (unsigned 64-bit)
 
 
 def _diff_torch(new: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -335,8 +336,8 @@ class Snapshot:
         for i in sorted(per_slot):
             parts = per_slot[i]
             prev = -1
-            gap_parts, nib_parts, exc_parts, nnz = [], [], [], 0
-            for start, (k, gaps, first_len, first_pos, last_pos, nibs, exc) in parts:
+            gap_parts, nib_parts, exc_parts, nnz, old_hash = [], [], [], 0, 0
+            for start, (k, gaps, first_len, first_pos, last_pos, nibs, exc, h) in parts:
                 if start == 0:  # the chunk's first gap is already relative to -1
                     gap_parts.append(gaps)
                 else:
@@ -346,7 +347,8 @@ class Snapshot:
                 exc_parts.append(exc)
                 prev = start + last_pos
                 nnz += k
-            diffs.append(FlatDiff(i, nnz, _cat(gap_parts), _cat(nib_parts), _cat(exc_parts, axis=1)))
+                old_hash = (old_hash + h) & 0xFFFFFFFFFFFFFFFF
+            diffs.append(FlatDiff(i, nnz, _cat(gap_parts), _cat(nib_parts), _cat(exc_parts, axis=1), old_hash))
         return diffs
 
     @staticmethod
@@ -381,10 +383,11 @@ class Snapshot:
             src, fused = self._source(flat[start:end], snap, casts[snap.dtype])
         else:
             src = src_np[start:end]
-        k, g, e, first_len, first_pos, last_pos = diff_encode_flat(src, snap_np[start:end], fused, gaps, nibs, exc)
+        k, g, e, first_len, first_pos, last_pos, h = diff_encode_flat(src, snap_np[start:end], fused, gaps, nibs, exc,
+                                                                      start)
         if k == 0:
             return None
-        return k, gaps[:g].copy(), first_len, first_pos, last_pos, nibs[:k].copy(), exc[:, :e].copy()
+        return k, gaps[:g].copy(), first_len, first_pos, last_pos, nibs[:k].copy(), exc[:, :e].copy(), int(h)
 
     # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
     def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:

@@ -1,19 +1,43 @@
 """Transports: where payloads travel. Syncers only ever see ``send`` / ``recv``.
 
-* :mod:`.base` — the :class:`Transport` interface and ``payload_nbytes``
+* :mod:`.base` — the :class:`Transport` interface, :class:`TransportStatistics` and
+  ``payload_nbytes`` (from :mod:`aiosync.messages`)
 * :mod:`.inproc` — in-process, zero copy (T1)
-* :mod:`.simulated` — latency, bandwidth, jitter, injected failures (T4)
-* :mod:`.checkpoint` — a directory of safetensors files with atomic publish (T3)
-* :mod:`.distributed` — torch.distributed point-to-point and broadcast, gloo or NCCL (T2)
+* :mod:`.simulated` — latency, bandwidth, jitter, injected failures (T4); the faults
+  themselves in :mod:`.faults`
+* :mod:`.distributed` — torch.distributed point-to-point and broadcast, gloo or NCCL (T2);
+  imported on first use of one of its names, so ``import aiosync.transports`` stays light
+
+The checkpoint directory (T3) is not a transport: :mod:`aiosync.checkpoints`. Transports know
+no protocol above them: nothing here imports :mod:`aiosync.coordination` or
+:mod:`aiosync.syncers`.
 """
 
-from .base import Transport, payload_nbytes
-from .checkpoint import CheckpointDir
-from .distributed import (DistributedTransport, Frame, WeightSyncGroup, decode_message, encode_message,
-                          gather_full_state, register_message)
-from .inproc import InProcTransport, inproc_pair
-from .simulated import FAULT_KINDS, FaultProfile, SimulatedTransport, simulated_pair
+from __future__ import annotations
 
-__all__ = ["Transport", "payload_nbytes", "InProcTransport", "inproc_pair", "SimulatedTransport", "simulated_pair",
-           "CheckpointDir", "FaultProfile", "FAULT_KINDS", "DistributedTransport", "WeightSyncGroup", "register_message",
-           "gather_full_state", "encode_message", "decode_message", "Frame"]
+import importlib
+from typing import Any
+
+from .base import Transport, TransportStatistics, payload_nbytes
+from .faults import FAULT_KINDS, FaultProfile
+from .inproc import InProcTransport, inproc_pair
+from .simulated import SimulatedTransport, simulated_pair
+
+#: Names served lazily from :mod:`.distributed` (PEP 562).
+_DISTRIBUTED = ("DistributedTransport", "WeightSyncGroup", "Frame", "encode_message", "decode_message",
+                "register_message")
+
+__all__ = ["Transport", "TransportStatistics", "payload_nbytes", "InProcTransport", "inproc_pair",
+           "SimulatedTransport", "simulated_pair", "FaultProfile", "FAULT_KINDS", *_DISTRIBUTED]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DISTRIBUTED:
+        value = getattr(importlib.import_module(".distributed", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_DISTRIBUTED))

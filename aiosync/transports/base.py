@@ -1,21 +1,36 @@
 """The line between syncers and transports.
 
-A syncer only ever sees two plain async callables: ``send(payload)`` and ``recv()``. A
+A syncer only ever sees two plain async callables: ``send(payload)`` and ``recv()``
+(:data:`aiosync.messages.SendFn` / :data:`aiosync.messages.RecvFn`, re-exported here). A
 transport is anything that provides them. Payloads are Python objects built from tensors,
-bytes, numbers, strings and the small dataclasses in :mod:`aiosync.syncers.payloads`; an
-in-process transport moves them without copying, a cross-process transport serialises them.
+bytes, numbers, strings and registered message dataclasses (:func:`aiosync.messages.message`);
+an in-process transport moves them without copying, a cross-process transport serialises them.
+
+Every end reports what went through it with :meth:`Transport.statistics`: a frozen snapshot
+(:class:`TransportStatistics`, or a subclass with a transport's own counters), never the live
+counters.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+from ..messages import RecvFn, SendFn, payload_nbytes
 
-SendFn = Callable[[Any], Awaitable[None]]
-RecvFn = Callable[[], Awaitable[Any]]
+__all__ = ["Transport", "TransportStatistics", "SendFn", "RecvFn", "payload_nbytes"]
+
+
+@dataclass(frozen=True)
+class TransportStatistics:
+    """A snapshot of what one transport end sent and received (bytes as the transport counts
+    them: :func:`payload_nbytes`, or bytes on the wire with framing for a serialising one)."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
 
 
 class Transport(ABC):
@@ -37,27 +52,14 @@ class Transport(ABC):
     async def aclose(self) -> None:  # pragma: no cover - trivial default
         """Close this endpoint. The default does nothing."""
 
+    def statistics(self) -> TransportStatistics:
+        """A frozen snapshot of this end's counters.
 
-def payload_nbytes(obj: Any) -> int:
-    """Bytes a payload occupies on the wire: tensor storage, ``bytes`` and nested containers.
-
-    Numbers, strings and ``None`` count as the few bytes a header would use; they are small
-    next to tensor data and are counted as 8 bytes each (strings by their UTF-8 length).
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj)
-    if isinstance(obj, str):
-        return len(obj.encode())
-    if obj is None or isinstance(obj, (bool, int, float)):
-        return 8
-    if isinstance(obj, dict):
-        return sum(payload_nbytes(k) + payload_nbytes(v) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_nbytes(v) for v in obj)
-    if dataclasses.is_dataclass(obj):
-        return sum(payload_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if hasattr(obj, "nbytes"):
-        return int(obj.nbytes)
-    return 8
+        The default reads the four common counters from a ``stats`` attribute; a transport
+        without one must override this.
+        """
+        stats = getattr(self, "stats", None)
+        if stats is None:
+            raise NotImplementedError(f"{type(self).__name__} keeps no statistics")
+        return TransportStatistics(stats.messages_sent, stats.bytes_sent, stats.messages_received,
+                                   stats.bytes_received)

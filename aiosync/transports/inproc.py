@@ -11,12 +11,12 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ClosedResourceError, EndOfStream, PeerTimeoutError, WouldBlock
-from .base import Transport, payload_nbytes
+from .base import Transport, TransportStatistics, payload_nbytes
 
 
 @dataclass
 class TransportStats:
-    """Counters kept by a transport endpoint."""
+    """The live counters of a transport endpoint (read them through ``statistics()``)."""
 
     messages_sent: int = 0
     bytes_sent: int = 0
@@ -75,6 +75,11 @@ class InProcTransport(Transport):
         if self.count_bytes:
             self.stats.bytes_received += payload_nbytes(payload)
         return payload
+
+    def statistics(self) -> TransportStatistics:
+        """A frozen snapshot of this end's counters."""
+        s = self.stats
+        return TransportStatistics(s.messages_sent, s.bytes_sent, s.messages_received, s.bytes_received)
 
     async def aclose(self) -> None:
         await self._tx.aclose()

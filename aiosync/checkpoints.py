@@ -10,7 +10,9 @@ partial file. After a publish, superseded sync files are removed. Files written 
 ``kind=full`` in their metadata, and never removed.
 
 Every file's metadata records its ``version`` and ``kind``; :meth:`CheckpointDir.load` checks
-them against the name, so a mislabelled or foreign file is refused, never applied.
+them against the name, so a mislabelled or foreign file is refused, never applied. It is the
+one checkpoint loader: given the model's tensors (``target=``) it also checks with
+:func:`check_tensors_fit` that every key, shape and dtype fits them before returning anything.
 
 Several writers must not publish into one directory. Readers may be anywhere: a newest file
 removed by a concurrent publish between discovery and open (or a stale NFS handle) is
@@ -35,7 +37,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..errors import PayloadError, VersionError
+from .dtypes import dtype_name
+from .errors import HandshakeError, PayloadError, VersionError
+
+__all__ = ["CheckpointDir", "check_tensors_fit"]
 
 _NAME = re.compile(r"^(sync|full)-(\d+)\.safetensors$")
 _TMP_PREFIX = ".tmp-"
@@ -105,7 +110,11 @@ class CheckpointDir:
         """
         newest = self.newest()
         if newest is not None and version <= newest[0]:
-            raise VersionError(f"checkpoint version {version} is not above the newest published {newest[0]}")
+            raise VersionError(
+                f"cannot publish checkpoint version {version} in {self.path}: it is not above the newest "
+                f"published {newest[0]} ({newest[1].name}). The directory already holds files of another "
+                f"(earlier) run. Use an empty directory, remove the old files, or attach the trainer with "
+                f"version= above {newest[0]}.")
         tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
         final = self.file_for(version, keep)
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".safetensors", dir=self.path)
@@ -152,12 +161,15 @@ class CheckpointDir:
         with safe_open(str(path), framework="pt") as fh:
             return dict(fh.metadata() or {})
 
-    def load(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    def load(self, version: int | None = None, *, target: Mapping[str, torch.Tensor] | None = None
+             ) -> tuple[int, dict[str, torch.Tensor]]:
         """Load ``version`` (default: the newest) into memory; returns ``(version, tensors)``.
 
         A newest file removed by a concurrent publish between discovery and open is retried
         with the new newest. A file whose metadata does not match its name is refused with
-        :class:`aiosync.errors.PayloadError`.
+        :class:`aiosync.errors.PayloadError`. With ``target`` (the model's tensors by name), the
+        file's tensors are checked against it with :func:`check_tensors_fit`
+        (:class:`aiosync.errors.HandshakeError` naming the file and the key); nothing is written.
         """
         for _ in range(16):
             if version is None:
@@ -187,5 +199,31 @@ class CheckpointDir:
             if meta.get("version") != str(v) or meta.get("kind", kind) != kind:
                 raise PayloadError(f"checkpoint {path.name} holds version {meta.get('version')!r} "
                                    f"({meta.get('kind')!r}); its name says {v} ({kind}): refusing it")
+            if target is not None:
+                check_tensors_fit(target, tensors, f"checkpoint {path.name}")
             return v, tensors
         raise FileNotFoundError(f"checkpoints in {self.path} kept changing while loading")
+
+
+def check_tensors_fit(target: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """Check that ``tensors`` can be written into ``target`` before anything is written.
+
+    Every key of ``tensors`` must exist in ``target`` with the same shape; a floating-point
+    tensor may arrive in another floating-point dtype (it is cast), an integer, bool or complex
+    tensor must arrive in exactly the target's dtype. Keys of ``target`` that ``tensors`` lacks
+    are fine (they are left alone). ``what`` names the source in the error (e.g. ``"checkpoint
+    sync-000000000003.safetensors"``). Raises :class:`aiosync.errors.HandshakeError` naming the
+    first key that does not fit (:class:`aiosync.errors.PayloadError` for a value that is not a
+    tensor).
+    """
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise PayloadError(f"{what}: {key!r} is a {type(value).__name__}, not a tensor")
+        held = target.get(key)
+        if held is None:
+            raise HandshakeError(f"{what}: key {key!r} does not exist in the model")
+        if tuple(held.shape) != tuple(value.shape):
+            raise HandshakeError(f"{what}: {key!r} has shape {tuple(value.shape)}, the model has {tuple(held.shape)}")
+        if value.dtype != held.dtype and not (value.dtype.is_floating_point and held.dtype.is_floating_point):
+            raise HandshakeError(f"{what}: {key!r} is {dtype_name(value.dtype)}, the model holds "
+                                 f"{dtype_name(held.dtype)} (only floating-point tensors may change dtype)")

@@ -1,83 +1,36 @@
-"""Issue 5 in one process: the wire codec of the distributed transport, the remote-explorer
-protocol over a wire that serialises every message (as a process boundary does), fan-out
-(S12) and the checkpoint directory (T3). Real processes: ``test_distributed_processes.py``.
+"""Explorers over a wire that serialises every message with the distributed codec, as a
+process boundary does (nothing is shared by reference): joining late, leaving, being lost,
+refusals, fan-out (S12), and the checkpoint follower. Real processes:
+``test_coordination_processes.py``.
 
-Weights are a pure function of the version, so every check is bit-exact. Nothing here
-asserts on elapsed time; HANG_GUARD only turns a hang into a failure.
+Weights are a pure function of the version, so every check is bit-exact. Nothing here asserts
+on elapsed time; HANG_GUARD only turns a hang into a failure.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import os
 from typing import Any
 
 import anyio
 import pytest
 import torch
 
-from aiosync.coordination import Synchronizer
-from aiosync.coordination.link import Ack, Packet, Reinit
-from aiosync.coordination.remote import CheckpointFollower, Hello, RemoteExplorer
-from aiosync.errors import (ApplyError, ClosedResourceError, EndOfStream, HandshakeError, PayloadError, PeerTimeoutError,
-                            TransportError, VersionError)
+from aiosync.coordination import CheckpointFollower, Explorer, Synchronizer
+from aiosync.coordination.protocol import Ack, Hello, Reinit
+from aiosync.checkpoints import CheckpointDir
+from aiosync.errors import (ClosedResourceError, EndOfStream, HandshakeError, PeerTimeoutError, TransportError)
 from aiosync.syncers import PatchWeightSyncer
-from aiosync.syncers.payloads import ReceiverMetadata
 from aiosync.transports.base import Transport
-from aiosync.transports.checkpoint import CheckpointDir
-from aiosync.transports.distributed import Frame, decode_message, encode_message, register_message
+from aiosync.transports.distributed import Frame, decode_message, encode_message
 from aiosync.transports.inproc import inproc_pair
-from toy_model import weights, rollout_model, holds, train_to
+from helpers import BUCKET, HANG_GUARD, PATCH, holds, rollout_model, train_to, weights
 
-HANG_GUARD = 60
-PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
-BUCKET = {"type": "bucket", "bucket": {"bucket_size": 512}}
+pytestmark = pytest.mark.both_loops
 
 
 def roundtrip(payload: Any) -> Any:
     frame = encode_message(payload)
     return decode_message(frame.header, frame.host, frame.device)
-
-
-def same(a: Any, b: Any) -> bool:
-    """Structural, bit-exact equality (tensors by dtype, shape and bits; NaN equals NaN)."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() else a,
-                                b.reshape(-1).view(torch.uint8) if b.numel() else b))
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if dataclasses.is_dataclass(a):
-        return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    return a == b
-
-
-# ------------------------------------------------------------------ the wire codec
-
-def test_codec_round_trips_every_payload_shape_bit_exactly():
-    payload = Packet(7, [
-        {"w": torch.randn(3, 5), "__aiosync__.version": torch.tensor(2**40, dtype=torch.int64),
-         "h": torch.randn(4).to(torch.bfloat16), "mask": torch.tensor([True, False]),
-         "empty": torch.zeros(0, 3), "z": torch.complex(torch.randn(2), torch.randn(2)),
-         "nc": torch.arange(12.0).reshape(3, 4).t(), "nan": torch.tensor([float("nan"), -0.0])},
-        ReceiverMetadata(["w", "b"], [(3, 5), ()], ["float32", "bfloat16"], {"b": "w"}, [True, False], session=5),
-        b"\x00raw\xff", bytearray(b"x"),
-        (1, 2.5, None, "s", float("nan"), float("-inf"), True, 2**70),
-        {1: "int key", (2, 3): "tuple key"}, [torch.float16, [[]]],
-    ])
-    got = roundtrip(payload)
-    assert isinstance(got, Packet) and got.version == 7
-    want = dataclasses.replace(payload, payloads=[*payload.payloads[:3], b"x", *payload.payloads[4:]])
-    assert same(got, want)
-    assert got.payloads[0]["nc"].is_contiguous()  # non-contiguous tensors arrive contiguous
 
 
 def test_codec_carries_real_patches_and_acks():
@@ -95,7 +48,12 @@ def test_codec_carries_real_patches_and_acks():
             train_to(live, v)
             await sender.sync(live, lambda p: _append(patches, p), v)
         for p in patches:
-            assert await receiver.apply_payload(model, roundtrip(p)) == p.version
+            wire = roundtrip(p)
+
+            async def recv():
+                return wire
+
+            assert await receiver.apply(model, recv) == p.version
 
     async def _append(out, p):
         out.append(p)
@@ -105,47 +63,6 @@ def test_codec_carries_real_patches_and_acks():
     ack = roundtrip(Ack(3, 2, None, 0.5))
     assert isinstance(ack, Ack) and (ack.version, ack.applied, ack.apply_s) == (3, 2, 0.5)
 
-
-def test_codec_refuses_what_it_cannot_rebuild_safely():
-    @dataclasses.dataclass
-    class Unregistered:
-        x: int
-
-    with pytest.raises(PayloadError, match="not a registered message type"):
-        encode_message(Unregistered(1))
-    with pytest.raises(PayloadError, match="cannot send a set"):
-        encode_message({1, 2})
-    # A header naming a class this side did not register is refused, never imported (no pickle).
-    header = json.dumps({"v": 1, "tensors": [], "tree": {"$dc": "os.system", "f": {"command": "true"}}}).encode()
-    with pytest.raises(PayloadError, match="not a registered message type"):
-        decode_message(header)
-
-    @register_message
-    @dataclasses.dataclass
-    class Custom:
-        x: torch.Tensor
-
-    assert torch.equal(roundtrip(Custom(torch.ones(2))).x, torch.ones(2))
-
-
-@pytest.mark.parametrize("tree, tensors, message", [
-    ({"$t": 0}, [[0, 0, 400, "float32", [100]]], "outside the body"),
-    ({"$t": 0}, [[0, 0, 8, "float32", [10]]], "do not hold"),
-    ({"$t": 0}, [[0, 0, 4, "no_such_dtype", [1]]], "unknown dtype"),
-    ({"$t": 3}, [], "does not describe"),
-    ({"$what": 1}, [], "unknown node"),
-    ({"$b": [0]}, [], "malformed message"),
-    ({"$float": "not a float"}, [], "malformed message"),
-])
-def test_malformed_headers_are_clear_payload_errors(tree, tensors, message):
-    header = json.dumps({"v": 1, "tensors": tensors, "tree": tree}).encode()
-    with pytest.raises(PayloadError, match=message):
-        decode_message(header, torch.zeros(64, dtype=torch.uint8))
-    with pytest.raises(PayloadError, match="not valid JSON"):
-        decode_message(b"\xff{")
-
-
-# ------------------------------------------------------------------ the remote protocol, one process
 
 class Wire(Transport):
     """An in-process channel that serialises every message with the distributed codec, as a
@@ -188,7 +105,7 @@ async def explorer_until_stopped(name: str, end: Wire, record: dict, start: anyi
                                  leave_at_version: int | None = None) -> None:
     if start is not None:
         await start.wait()
-    async with RemoteExplorer(name, rollout_model(), end) as ex:
+    async with Explorer(name, rollout_model(), end) as ex:
         record[name] = {"first": ex.version, "torn": 0, "handle": ex}
         while not ex.trainer_stopped:
             async with ex.lease() as (model, version):
@@ -236,7 +153,7 @@ async def test_remote_explorers_join_late_and_end_bit_exact(method, style, synce
     for name in ("early", "late"):
         assert record[name]["final"] == 8 and holds(record[name]["handle"].slot.model, 8), name
         assert record[name]["torn"] == 0
-        assert m["explorers"][name]["remote"] and m["explorers"][name]["reinits"] == 1
+        assert m["explorers"][name]["reinits"] == 1
     assert record["late"]["first"] >= 1  # bootstrapped at the version published when it joined...
     assert m["explorers"]["late"]["delivered"] >= 2  # ...then patched like the others
     if method == "nccl":  # the two-way handshake: the trainer went REQUIRE_SYNC and back
@@ -313,13 +230,13 @@ async def test_explorer_refused_for_a_taken_name_or_a_dead_synchronizer():
         await sync.attach_trainer(state)
         sync.serve_remote(a0)
         sync.serve_remote(a1)
-        async with RemoteExplorer("same", rollout_model(), b0):
+        async with Explorer("same", rollout_model(), b0):
             with pytest.raises(HandshakeError, match="already attached"):
-                async with RemoteExplorer("same", rollout_model(), b1):
+                async with Explorer("same", rollout_model(), b1):
                     pass
     a, b = wires(1)[0]
     with pytest.raises(PeerTimeoutError, match="no answer from the synchronizer"):
-        async with RemoteExplorer("alone", rollout_model(), b, connect_timeout=0.2):
+        async with Explorer("alone", rollout_model(), b, connect_timeout=0.2):
             pass
 
 
@@ -339,7 +256,7 @@ async def test_fan_out_builds_each_version_once_for_explorers_at_the_same_versio
     assert fan["builds"] == 4  # once per version, not once per explorer
     assert fan["shared"] == 8 and fan["lineages"] == 1
     assert all(holds(ex.slot.model, 4) for ex in explorers)
-    assert sum(ex.link.stats.shared for ex in explorers) == 8
+    assert sum(sync.explorers[ex.name].line.stats.shared for ex in explorers) == 8
 
 
 async def test_without_fan_out_every_explorer_builds_its_own():
@@ -351,8 +268,8 @@ async def test_without_fan_out_every_explorer_builds_its_own():
         await trainer.sync_weight(1)
         for ex in explorers:
             assert await ex.sync_weight() == 1
-    assert "fanout" not in sync.metrics()
-    assert all(ex.link.stats.shared == 0 for ex in explorers)
+    assert sync.metrics()["fanout"] is None
+    assert all(sync.explorers[ex.name].line.stats.shared == 0 for ex in explorers)
 
 
 async def test_a_lagging_explorer_gets_the_chain_and_one_too_far_behind_is_rebootstrapped():
@@ -368,13 +285,13 @@ async def test_a_lagging_explorer_gets_the_chain_and_one_too_far_behind_is_reboo
             await trainer.sync_weight(v)
             await fast.sync_weight()
         assert await slow.sync_weight() == 2  # two cached patches, each applied atomically
-        assert slow.link.stats.versions_applied[-2:] == [1, 2] and slow.link.stats.reinits == 1
+        assert sync.explorers[slow.name].line.stats.versions_applied[-2:] == [1, 2] and sync.explorers[slow.name].line.stats.reinits == 1
         for v in (3, 4, 5, 6):
             train_to(state, v)
             await trainer.sync_weight(v)
             await fast.sync_weight()
         assert await far.sync_weight() == 6  # history (3 packets) no longer reaches version 0
-        assert far.link.stats.reinits == 2 and far.link.stats.versions_applied[-1] == 6
+        assert sync.explorers[far.name].line.stats.reinits == 2 and sync.explorers[far.name].line.stats.versions_applied[-1] == 6
         assert await slow.sync_weight() == 6
     for ex in (fast, slow, far):
         assert holds(ex.slot.model, 6), ex.name
@@ -390,32 +307,9 @@ async def test_bucket_fan_out_sends_the_newest_packet_to_any_version():
             train_to(state, v)
             await trainer.sync_weight(v)
             await a.sync_weight()
-        assert await b.sync_weight() == 3 and b.link.stats.reinits == 1  # no chain, no re-bootstrap
+        assert await b.sync_weight() == 3 and sync.explorers[b.name].line.stats.reinits == 1  # no chain, no re-bootstrap
     assert holds(a.slot.model, 3) and holds(b.slot.model, 3)
     assert sync.metrics()["fanout"]["builds"] == 3
-
-
-# ------------------------------------------------------------------ checkpoint directory (T3)
-
-def test_checkpoint_metadata_is_checked_and_temporaries_are_cleaned(tmp_path):
-    d = CheckpointDir(tmp_path)
-    d.publish(weights(1), 1)
-    d.publish(weights(2), 2, keep=True)
-    assert d.metadata(d.file_for(2, keep=True)) == {"version": "2", "kind": "full"}
-    assert [v for v, _ in d.versions("full")] == [2] and d.newest_version() == 2
-    assert not d.file_for(1).exists()  # superseded by 2
-    os.rename(d.file_for(2, keep=True), d.file_for(5))  # a mislabelled file is refused, never applied
-    with pytest.raises(PayloadError, match="holds version '2'"):
-        d.load()
-    stale = tmp_path / ".tmp-crashed.safetensors"
-    stale.write_bytes(b"half")
-    os.utime(stale, (0, 0))
-    fresh = tmp_path / ".tmp-writing.safetensors"
-    fresh.write_bytes(b"in progress")
-    assert d.remove_stale_temporaries(older_than=60) == 1 and fresh.exists()
-    assert d.newest()[0] == 5  # temporaries are never discovered
-    with pytest.raises(VersionError):
-        d.publish(weights(3), 3)
 
 
 async def test_checkpoint_follower_applies_newest_versions_atomically(tmp_path):
@@ -431,7 +325,7 @@ async def test_checkpoint_follower_applies_newest_versions_atomically(tmp_path):
     async with follower.lease() as (model, version):
         assert version == 3 and holds(model, 3)
     d.publish({"w": torch.zeros(2, 2)}, 4)  # wrong shape: refused, the held version stays
-    with pytest.raises(ApplyError, match="shape mismatch"):
+    with pytest.raises(HandshakeError, match="'w'"):
         await follower.poll()
     assert follower.version == 3 and holds(follower.slot.model, 3)
 
@@ -454,27 +348,3 @@ async def test_a_session_nobody_joins_does_not_hold_the_synchronizer_open():
     assert sync.explorers == {}
 
 
-def test_backend_choice_errors_are_clear():
-    import torch.distributed as dist
-
-    from aiosync.transports.distributed import WeightSyncGroup, _nccl_options
-
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        with pytest.raises(ValueError, match="backend nccl needs CUDA"):
-            WeightSyncGroup.init(backend="nccl")
-    with pytest.raises(ValueError, match="auto, gloo or nccl"):
-        WeightSyncGroup.init(backend="mpi")
-    assert _nccl_options(None, {}) is None
-
-
-@pytest.mark.skipif(not hasattr(torch.distributed, "ProcessGroupNCCL"), reason="this torch build has no NCCL")
-def test_comm_options_reach_the_nccl_communicator_config(monkeypatch):
-    from aiosync.syncers.config import CommOptions
-    from aiosync.transports.distributed import _nccl_options
-
-    monkeypatch.delenv("NCCL_ALGO", raising=False)
-    report: dict = {}
-    opts = _nccl_options(CommOptions(use_ring_sync=True, nccl_max_ctas=8, nccl_min_ctas=2), report)
-    assert (opts.config.max_ctas, opts.config.min_ctas) == (8, 2)
-    assert os.environ["NCCL_ALGO"] == "Ring"
-    assert set(report) == {"use_ring_sync", "nccl_max_ctas", "nccl_min_ctas"}

@@ -1,7 +1,6 @@
 """Issue 5 with real processes: gloo on 127.0.0.1, free ports chosen at run time, every join
 bounded (a hang is a failure, never a stuck CI job).
 
-* the transport itself: payloads, broadcast, a timeout that loses nothing, a dead peer;
 * an FSDP2 (``fully_shard``) trainer on two ranks → two explorers, bit-exact, fan-out;
 * CHECKPOINT through a shared directory: a reader process never sees a half-written file;
 * an explorer that joins late (NCCL method over gloo: the two-way handshake) is bootstrapped,
@@ -141,84 +140,6 @@ def _wait_for_file(path: Path, bound: float = JOIN_BOUND) -> None:
 
 # ------------------------------------------------------------------ scenarios (run in the workers)
 
-def _scenario_transport(rank: int, world: int, out: Path, extra: dict) -> dict:
-    import anyio
-
-    from aiosync.coordination.link import Packet
-    from aiosync.errors import PeerTimeoutError, TransportError
-    from aiosync.syncers.payloads import ReceiverMetadata
-    from aiosync.transports.distributed import WeightSyncGroup
-
-    group = WeightSyncGroup.init(backend="gloo", timeout=2.0, comm_options=_ring_options())
-
-    async def trainer() -> dict:
-        t1, t2 = group.transport(1), group.transport(2)
-        packet = Packet(3, [{"w": torch.arange(6.0).reshape(2, 3), "m": torch.tensor([True, False])},
-                            ReceiverMetadata(["w"], [(2, 3)], ["bfloat16"]), b"raw", (1, None, "s")])
-        await t1.send(packet)
-        await t2.send(packet)  # the same object again: its encoded frame is reused
-        echo = await t1.recv()
-        assert await t1.recv() == "go"  # sent by rank 1 while its receive below was pending
-        await t1.send(torch.arange(1_000_000, dtype=torch.float32))
-        got = await group.broadcast({"all": torch.full((3,), 7.0)}, src=0)
-        timed_out = False
-        try:
-            await t2.recv()  # rank 2 sends only after our timeout
-        except PeerTimeoutError:
-            timed_out = True
-        late = await t2.recv()  # the same posted receive, resumed: nothing lost
-        try:
-            await t2.recv()  # rank 2 is gone now
-            dead = "no error"
-        except TransportError as exc:
-            dead = type(exc).__name__
-        await t1.send("still served")
-        return {"echo": echo, "bcast": got["all"].tolist(), "timed_out": timed_out, "late": late, "dead": dead,
-                "report": group.comm_report, "frames": t1.stats.messages_sent}
-
-    async def explorer() -> dict:
-        t = group.transport(0)
-        p = await t.recv()
-        ok = (p.version == 3 and torch.equal(p.payloads[0]["w"], torch.arange(6.0).reshape(2, 3))
-              and p.payloads[1].original_shapes == [(2, 3)] and p.payloads[2] == b"raw" and p.payloads[3] == (1, None, "s"))
-        if rank == 1:
-            await t.send({"ok": ok})
-            # The loop is never blocked by a pending receive: another task sends meanwhile.
-            # (If recv blocked the loop, "go" would never leave and both ranks would time out.)
-            big = {}
-
-            async def receive() -> None:
-                big["t"] = await t.recv()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(receive)
-                await anyio.sleep(0)
-                await t.send("go")
-            ok = ok and torch.equal(big["t"], torch.arange(1_000_000, dtype=torch.float32))
-        got = await group.broadcast(src=0)
-        if rank == 2:
-            (out / "rank2-waiting").write_text("")
-            await anyio.sleep(3.0)  # longer than rank 0's timeout
-            await t.send("late but whole")
-            await anyio.sleep(0.5)
-            os._exit(0)  # die without closing anything, like a crash
-        msg = None
-        while msg is None:
-            try:
-                msg = await t.recv()
-            except PeerTimeoutError:
-                continue
-        return {"ok": ok, "bcast": got["all"].tolist(), "last": msg}
-
-    return anyio.run(trainer if rank == 0 else explorer)
-
-
-def _ring_options():
-    from aiosync.syncers.config import CommOptions
-
-    return CommOptions(use_ring_sync=True, nccl_max_ctas=4)
-
-
 class _Net(torch.nn.Module):
     def __init__(self, d: int = 12) -> None:
         super().__init__()
@@ -235,8 +156,9 @@ def _scenario_fsdp(rank: int, world: int, out: Path, extra: dict) -> dict:
     import anyio
 
     from aiosync.coordination import Synchronizer
-    from aiosync.coordination.remote import RemoteExplorer
-    from aiosync.transports.distributed import WeightSyncGroup, gather_full_state
+    from aiosync.coordination import Explorer
+    from aiosync.syncers import gather_full_state
+    from aiosync.transports.distributed import WeightSyncGroup
 
     group = WeightSyncGroup.init(backend="gloo", timeout=OP_TIMEOUT)
     fsdp_group = dist.new_group([0, 1], backend="gloo")  # a collective: every rank makes it
@@ -246,7 +168,7 @@ def _scenario_fsdp(rank: int, world: int, out: Path, extra: dict) -> dict:
             model = _Net().to(torch.bfloat16)
             t = group.transport(0)
             torn = 0
-            async with RemoteExplorer(f"e{rank}", model, t) as ex:
+            async with Explorer(f"e{rank}", model, t) as ex:
                 first = ex.version
                 while not ex.trainer_stopped:
                     async with ex.lease() as (m, version):
@@ -312,8 +234,8 @@ def _scenario_checkpoint(rank: int, world: int, out: Path, extra: dict) -> dict:
     import anyio
 
     from aiosync.coordination import Synchronizer
-    from aiosync.coordination.remote import CheckpointFollower
-    from aiosync.transports.checkpoint import CheckpointDir
+    from aiosync.coordination import CheckpointFollower
+    from aiosync.checkpoints import CheckpointDir
 
     directory, versions, n = out / "shared", extra["versions"], extra["rows"]
     if rank == 0:  # the trainer: the CHECKPOINT method writes every version to the shared directory
@@ -358,7 +280,7 @@ def _scenario_late_joiner(rank: int, world: int, out: Path, extra: dict) -> dict
     import anyio
 
     from aiosync.coordination import Synchronizer
-    from aiosync.coordination.remote import RemoteExplorer
+    from aiosync.coordination import Explorer
     from aiosync.transports.distributed import WeightSyncGroup
 
     group = WeightSyncGroup.init(backend="gloo", timeout=OP_TIMEOUT)
@@ -398,7 +320,7 @@ def _scenario_late_joiner(rank: int, world: int, out: Path, extra: dict) -> dict
                 await anyio.sleep(0.02)
         t = group.transport(0)
         applied = []
-        async with RemoteExplorer(f"e{rank}", rollout_model(), t) as ex:
+        async with Explorer(f"e{rank}", rollout_model(), t) as ex:
             applied.append(ex.version)
             while not ex.trainer_stopped:
                 await ex.step_done()  # FIXED, interval 1: asks every step (REQUIRE_SYNC until served)
@@ -415,7 +337,7 @@ def _scenario_killed(rank: int, world: int, out: Path, extra: dict) -> dict:
     import anyio
 
     from aiosync.coordination import Synchronizer
-    from aiosync.coordination.remote import RemoteExplorer
+    from aiosync.coordination import Explorer
     from aiosync.transports.distributed import WeightSyncGroup
 
     group = WeightSyncGroup.init(backend="gloo", timeout=OP_TIMEOUT)
@@ -459,7 +381,7 @@ def _scenario_killed(rank: int, world: int, out: Path, extra: dict) -> dict:
 
     async def explore() -> dict:
         t = group.transport(0)
-        async with RemoteExplorer(f"e{rank}", rollout_model(), t) as ex:
+        async with Explorer(f"e{rank}", rollout_model(), t) as ex:
             while not ex.trainer_stopped:
                 await ex.step_done()
                 if rank == 2 and ex.version is not None and ex.version >= 3:
@@ -472,24 +394,11 @@ def _scenario_killed(rank: int, world: int, out: Path, extra: dict) -> dict:
     return anyio.run(explore)
 
 
-SCENARIOS = {"transport": _scenario_transport, "fsdp": _scenario_fsdp, "checkpoint": _scenario_checkpoint,
+SCENARIOS = {"fsdp": _scenario_fsdp, "checkpoint": _scenario_checkpoint,
              "late_joiner": _scenario_late_joiner, "killed": _scenario_killed}
 
 
 # ------------------------------------------------------------------ the tests
-
-def test_transport_payloads_broadcast_timeouts_and_a_dead_peer(tmp_path):
-    procs = _start("transport", 3, tmp_path)
-    _join(procs)
-    r = _results(tmp_path, [0, 1])
-    assert r[1]["ok"] and r[0]["echo"] == {"ok": True}
-    assert r[0]["bcast"] == r[1]["bcast"] == [7.0, 7.0, 7.0]
-    assert r[0]["timed_out"] and r[0]["late"] == "late but whole"  # a timeout lost nothing
-    assert r[0]["dead"] == "TransportError"  # the dead peer is an error, not a hang...
-    assert r[1]["last"] == "still served"  # ...and the other channel is unaffected
-    assert all("no effect on gloo" in v for v in r[0]["report"].values()) and set(r[0]["report"]) == {
-        "use_ring_sync", "nccl_max_ctas"}
-
 
 def test_fsdp2_trainer_to_two_explorers_bit_exact(tmp_path):
     steps = 5

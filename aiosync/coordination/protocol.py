@@ -1,0 +1,205 @@
+"""The explorer protocol: every message between a synchronizer's per-explorer session and an
+explorer, whether the explorer lives in the trainer's process or in another one.
+
+One wire (a :class:`~aiosync.transports.Transport`) carries two kinds of messages, split by
+:class:`aiosync.coordination.mux.Mux`:
+
+* the **delivery line** (:class:`Packet`, :class:`Reinit`, :class:`Abort`, :class:`Ack`, and
+  the syncers' own init conversation in between): one version's payloads, applied as a unit;
+* **control** messages (subclasses of :class:`Control`): joining, requests, notices, liveness,
+  leaving.
+
+A session, from the explorer's side::
+
+    explorer                                   synchronizer (session)
+    Hello(name, version)            ──▶
+                                    ◀──        Welcome(config, weight_syncer, versions)
+                                    ◀──        Reinit / init conversation / Packet   (first sync)
+    Ack                             ──▶
+                                    ◀──        Attached(version)
+    SyncRequest(id)                 ──▶        (a request for the newest weights)
+                                    ◀──        Served(id, outcome, version)
+                                    ◀──        Notice(published | window_open | window_closed | trainer_stopped)
+    Heartbeat                       ──▶        (while the explorer's loop shows signs of life)
+    Stopped | Leave                 ──▶
+                                    ◀──        Close(version)      after the final drain, on Leave, or when lost
+    Close                           ──▶        (the answer: both readers end, the wire is free again)
+
+Every class is a registered message type (:func:`aiosync.messages.message`): only these and the
+syncers' payloads are rebuilt by a receiving process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..messages import message
+
+#: Version of this protocol; a Hello of another version is refused.
+PROTOCOL = 2
+
+
+# ----------------------------------------------------------------------------- delivery line
+
+@message
+@dataclass(eq=False)
+class Packet:
+    """All payloads of one sync of ``version``, applied as one unit."""
+
+    version: int
+    payloads: list
+
+
+@message
+@dataclass(eq=False)
+class Reinit:
+    """Start of a (re)bootstrap to ``version``: the syncers' init conversation follows, then a
+    :class:`Packet`. ``bootstrap``: the init sends the whole state (a repair). ``conv`` numbers
+    init conversations per session; answers echo it, so a late answer to an abandoned
+    conversation is never taken for the answer to this one."""
+
+    version: int
+    bootstrap: bool
+    conv: int = 0
+
+
+@message
+@dataclass(eq=False)
+class Abort:
+    """The session gave up the (re)bootstrap of ``version`` it started (conversation ``conv``)."""
+
+    version: int
+    reason: str
+    conv: int = 0
+
+
+@message
+@dataclass(eq=False)
+class Ack:
+    """The explorer's answer to a Packet (``conv`` None) or a Reinit (``conv`` its id).
+
+    ``applied`` is the version the explorer's model holds afterwards; ``error`` says why the
+    delivery was refused or failed (the explorer kept ``applied``). ``stage_s``: receiving and
+    validating, outside the exclusive section; ``write_s``: the exclusive write;
+    ``lease_wait_s``: how long the write waited for rollouts to release the model.
+    """
+
+    version: int
+    applied: int | None
+    error: str | None = None
+    apply_s: float = 0.0
+    conv: int | None = None
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    lease_wait_s: float = 0.0
+
+
+# ----------------------------------------------------------------------------- control
+
+@dataclass(eq=False)
+class Control:
+    """Base of the control messages (everything else on the wire belongs to the delivery line)."""
+
+
+@message
+@dataclass(eq=False)
+class Hello(Control):
+    """Explorer → session: join as ``name``; ``version`` is what its model holds (or None)."""
+
+    name: str
+    version: int | None = None
+    protocol: int = PROTOCOL
+
+
+@message
+@dataclass(eq=False)
+class Welcome(Control):
+    """Session → explorer: accepted; the synchronizer's config, the weight syncer config (None:
+    a syncer factory, which the explorer must be given itself) and where the trainer is."""
+
+    config: dict
+    weight_syncer: dict | None
+    trainer_version: int
+    published: int | None
+    trainer_stopped: bool = False
+
+
+@message
+@dataclass(eq=False)
+class Refused(Control):
+    """Session → explorer: not accepted (name taken, protocol mismatch, first sync failed)."""
+
+    reason: str
+
+
+@message
+@dataclass(eq=False)
+class Attached(Control):
+    """Session → explorer: the first (blocking) sync was applied; ``version`` is held."""
+
+    version: int | None
+
+
+@message
+@dataclass(eq=False)
+class SyncRequest(Control):
+    """Explorer → session: ask for the newest weights (``Explorer.sync_weight``)."""
+
+    id: int
+
+
+@message
+@dataclass(eq=False)
+class Served(Control):
+    """Session → explorer: request ``id`` was served with ``outcome`` (``delivered``,
+    ``up_to_date``, ``timeout``, ``failed``, ``trainer_stopped``, ``closed``); ``version`` is
+    the version the explorer reported as applied."""
+
+    id: int
+    outcome: str
+    version: int | None
+
+
+@message
+@dataclass(eq=False)
+class Notice(Control):
+    """Session → explorer: ``published`` (a new version), ``window_open`` / ``window_closed``
+    (an NCCL handshake), ``trainer_stopped``; ``delivering`` / ``settled`` (a delivery to this
+    explorer is due or under way / none is: its ``wait_applied`` waits for ``settled``)."""
+
+    event: str
+    version: int | None
+
+
+@message
+@dataclass(eq=False)
+class Heartbeat(Control):
+    """Explorer → session: the explorer's loop showed signs of life (a call into the explorer
+    API, or a lease held) since the last heartbeat."""
+
+    step: int = 0
+
+
+@message
+@dataclass(eq=False)
+class Stopped(Control):
+    """Explorer → session: the explorer stopped (STOPPED); deliveries may still come (drain)."""
+
+    step: int
+
+
+@message
+@dataclass(eq=False)
+class Leave(Control):
+    """Explorer → session: detach me now (no final drain)."""
+
+    reason: str = ""
+
+
+@message
+@dataclass(eq=False)
+class Close(Control):
+    """Either way: the session ends; the receiver answers with its own Close and stops reading."""
+
+    version: int | None = None
+    reason: str = ""

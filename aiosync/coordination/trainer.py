@@ -1,0 +1,251 @@
+"""The trainer's side of a synchronizer: :class:`TrainerHandle`.
+
+The trainer's loop stays yours (S1): at its check points — while waiting for samples and after
+each train step — it calls ``if trainer.need_sync(): await trainer.sync_weight()``, or the
+one-call :meth:`TrainerHandle.step_done`.
+
+Publishing a version depends on the method (S2): MEMORY and CHECKPOINT copy the weights (to
+memory, to a file) and the trainer stays RUNNING; NCCL opens a *handshake* — the trainer is
+REQUIRE_SYNC while the explorers it syncs with build their payloads from its live tensors, and
+the window closes only once no build reads them any more (even when the sync is cancelled).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PeerTimeoutError, StateTransitionError, VersionError
+from .delivery import DeliveryLine
+from .hub import Hub
+from .metrics import RunningStat, Series
+from .sources import DirectSource
+from .staleness import FilterResult, StalenessFilter
+from .states import RunningStatus, StatusCell
+from .styles import SyncMethod, SyncStyle, trainer_step_syncs
+
+log = logging.getLogger("aiosync.sync")
+
+
+@dataclass(frozen=True)
+class TrainerStatistics:
+    """A snapshot of the trainer's counters (B6)."""
+
+    status: str
+    version: int
+    step: int
+    syncs: int
+    handshake_timeouts: int
+    publish_s: Series
+    sync_s: Series
+
+
+@dataclass(eq=False)
+class TrainerHandle:
+    """The trainer's side of a :class:`~aiosync.Synchronizer` (made by
+    :meth:`~aiosync.Synchronizer.attach_trainer`).
+
+    ``step`` counts train steps (advance it with :meth:`step_done`, or set it); ``version`` is
+    the last published version.
+    """
+
+    hub: Hub
+    live: Callable[[], Mapping[str, torch.Tensor]]
+    names: list[str]
+    version: int
+    state: StatusCell
+    staleness: StalenessFilter
+    step: int = 0
+    syncs: int = 0
+    handshake_timeouts: int = 0
+    publish_s: RunningStat = field(default_factory=RunningStat)
+    sync_s: RunningStat = field(default_factory=RunningStat)
+
+    @property
+    def status(self) -> RunningStatus:
+        """STOPPED, RUNNING, or REQUIRE_SYNC (only during an NCCL handshake)."""
+        return self.state.status
+
+    @property
+    def current_version(self) -> int:
+        """The version of the trainer's weights now: its step count, or the last published version."""
+        return max(self.version, self.step)
+
+    def statistics(self) -> TrainerStatistics:
+        return TrainerStatistics(self.status.name, self.version, self.step, self.syncs, self.handshake_timeouts,
+                                 self.publish_s.snapshot(), self.sync_s.snapshot())
+
+    def need_sync(self) -> bool:
+        """Whether the trainer should call :meth:`sync_weight` now.
+
+        True when its schedule says so (FIXED, TRAINER_DRIVEN: every ``sync_interval`` steps,
+        once per step) or when explorers wait for it (EXPLORER_DRIVEN requests, NCCL handshakes,
+        explorers joining under NCCL).
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            return False
+        cfg = self.hub.config
+        if trainer_step_syncs(cfg.style, self.step, cfg.sync_interval) and self.step > self.version:
+            return True
+        return bool(self.hub.source.waiting)
+
+    async def sync_weight(self, version: int | None = None, *, wait: bool | None = None) -> dict[str, Any]:
+        """Publish the trainer's current weights as ``version`` (default: the step count, or the
+        last version + 1) and hand them to the explorers; returns this sync's report.
+
+        Without ``version``, when no train step happened since the last publish (``step`` not
+        above ``version``), nothing new is published: explorers waiting for the trainer are
+        answered with the current version.
+
+        ``wait`` (default: ``not sync_weight_no_wait``) waits until the explorers handed this
+        version have applied it; the first sync always waits. A waiting sync first waits for
+        outstanding background applies (S9). With NCCL the trainer's weights must not change
+        until this returns (a cancelled call still waits for the builds reading them).
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            raise StateTransitionError("trainer: sync_weight after stop()")
+        hub, cfg = self.hub, self.hub.config
+        if version is None and self.step <= self.version and self.syncs > 0:
+            return await self._serve_current()
+        if version is None:
+            version = self.step if self.step > self.version else self.version + 1
+        if version <= self.version:
+            raise VersionError(f"trainer: version {version} is not above the last published {self.version}")
+        blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
+        t0 = time.perf_counter()
+        if blocking:
+            busy = await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
+            if busy:
+                raise PeerTimeoutError(f"explorer {busy[0].name}: background apply still running after "
+                                       f"delivery_timeout={cfg.delivery_timeout}s")
+        push = cfg.sync_weight_no_wait and cfg.style is SyncStyle.TRAINER_DRIVEN
+        if cfg.method is SyncMethod.NCCL:
+            pushed = [] if not push else hub.lines()
+            bound = cfg.delivery_timeout if push else cfg.sync_timeout
+            handed = await self._handshake(version, push=pushed, bound=bound,
+                                           scheduled=cfg.style is not SyncStyle.EXPLORER_DRIVEN)
+        else:
+            pub = await hub.source.publish(self.live(), self.names, version)
+            self.publish_s.add(hub.source.publish_s)
+            self.version = pub.version
+            handed = [(line, line.request()) for line in hub.lines()] if push or (blocking and self.syncs == 0) else []
+        self.version = version
+        self.syncs += 1
+        if blocking and handed:
+            late = await hub.wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
+            if late:
+                raise PeerTimeoutError(f"explorer {late[0].name}: version {version} was not applied within "
+                                       f"sync_timeout + delivery_timeout = {cfg.sync_timeout + cfg.delivery_timeout}s")
+        dt = time.perf_counter() - t0
+        self.sync_s.add(dt)
+        failed = [line.name for line, _ in handed if blocking and (line.last_outcome == "failed" or line.closed)]
+        return {"version": version, "blocking": blocking, "handed_to": [line.name for line, _ in handed],
+                "failed": failed, "sync_s": dt}
+
+    async def _serve_current(self) -> dict[str, Any]:
+        """No training since the last publish: answer waiting explorers with that version."""
+        hub, cfg = self.hub, self.hub.config
+        t0 = time.perf_counter()
+        handed: list[tuple[DeliveryLine, int]] = []
+        if cfg.method is SyncMethod.NCCL:
+            handed = await self._handshake(self.version, push=[], bound=cfg.sync_timeout, scheduled=False,
+                                           reopen=True)
+        else:
+            hub.source.announce()
+        return {"version": self.version, "blocking": False, "handed_to": [line.name for line, _ in handed],
+                "sync_s": time.perf_counter() - t0, "republished": True}
+
+    async def serve_joining(self, lines: Iterable[DeliveryLine]) -> list[tuple[DeliveryLine, int]]:
+        """NCCL: serve ``lines`` (explorers joining, or behind after the last version) from the
+        live tensors, as the current version. Call it only where the trainer's weights do not
+        change (the trainer's own task)."""
+        return await self._handshake(self.version, push=list(lines), bound=self.hub.config.delivery_timeout,
+                                     scheduled=False, reopen=True)
+
+    async def _handshake(self, version: int, *, push: list[DeliveryLine], bound: float, scheduled: bool,
+                         reopen: bool = False) -> list[tuple[DeliveryLine, int]]:
+        """NCCL: open a window on the live tensors as ``version``, wait (at most ``bound``) until
+        the expected lines built from it, close it. Expected: lines that wait for the trainer,
+        the ``push`` lines (asked here on the explorers' behalf), and — for a ``scheduled`` sync
+        (FIXED, TRAINER_DRIVEN) — every running explorer, which comes at its next check point.
+        Lines that are lost or stop (without asking) meanwhile are no longer waited for."""
+        hub = self.hub
+        source: DirectSource = hub.source
+        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)  # a stopped trainer can still serve
+        window = source.open(self.live(), version, reopen=reopen)
+        self.version = version
+        handed: list[tuple[DeliveryLine, int]] = []
+        try:
+            deadline = time.monotonic() + bound
+            for line in push:
+                if line in source.waiting and line.in_flight is not None:
+                    # Its request already waits for a window: this one serves it. A pushed
+                    # request would queue behind it and then miss the window.
+                    handed.append((line, line.in_flight.seq))
+                else:
+                    handed.append((line, line.request(deadline=deadline)))
+            pushed = {line for line, _ in handed}
+            base = set(source.waiting) | pushed
+            if scheduled:
+                base |= {line for line in hub.handshake_lines() if line.in_flight is None}
+
+            def expected() -> set:
+                running = hub.handshake_lines()
+                return {line for line in base if not line.closed
+                        and (line in pushed or line in running or line in source.waiting)}
+
+            missing = await source.wait_window_done(window, expected, deadline)
+            if missing:
+                self.handshake_timeouts += len(missing)
+                log.info("aiosync: NCCL handshake of version %d timed out for %s", version,
+                         ", ".join(sorted(line.name for line in missing)))
+            for line in hub.lines():
+                if line in window.joined and line not in pushed:
+                    handed.append((line, line.in_flight.seq if line.in_flight is not None else line.served_seq))
+        finally:
+            await source.close(window, self.hub.config.delivery_timeout)
+            self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
+        return handed
+
+    async def step_done(self) -> bool:
+        """Count one train step; sync if the schedule (or a waiting explorer) asks. Returns
+        whether a sync happened."""
+        self.step += 1
+        if self.need_sync():
+            await self.sync_weight()
+            return True
+        return False
+
+    async def stop(self, *, publish_final: bool = True) -> None:
+        """Stop the trainer (STOPPED). Explorers waiting on it return at once with what they have.
+
+        With ``publish_final`` (default), weights trained since the last sync (``step`` above
+        ``version``) are published first, so the final weights reach the explorers. With NCCL,
+        explorers that missed the last version get it now, while the live tensors still hold it.
+        """
+        if self.state.status is RunningStatus.STOPPED:
+            return
+        hub, cfg = self.hub, self.hub.config
+        if publish_final and self.step > self.version:
+            await self.sync_weight(self.step)
+        if cfg.method is SyncMethod.NCCL:
+            for _ in range(3):
+                await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
+                behind = [line for line in hub.lines() if line.behind]
+                if not behind:
+                    break
+                handed = await self.serve_joining(behind)
+                await hub.wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
+        self.state.set(RunningStatus.STOPPED)
+        hub.source.stop()
+
+    def filter_stale(self, samples: Iterable[Any], current_version: int | None = None) -> FilterResult:
+        """Apply the synchronizer's staleness filter (``max_staleness``) to samples stamped with
+        the version that generated them, relative to ``current_version`` (default: this
+        trainer's :attr:`current_version`)."""
+        return self.staleness.filter(samples, self.current_version if current_version is None else current_version)

@@ -1,0 +1,115 @@
+"""Numba kernels of the receiver's staged writes: the patch writer that keeps what it
+overwrites (the write's undo record) and hashes it (the drift check), its undo, and the
+read-only diff and the scatter of :mod:`aiosync.syncers.staging`. Shared pieces (the block
+mask flattening, :func:`~aiosync.syncers.kernels.mix64`) live in :mod:`aiosync.syncers.kernels`.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .kernels import ESCAPE, GROUP_BLOCKS, _flatten, _width, mix64
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def diff_positions(new, old, out_pos, out_new, base):  # pragma: no cover - compiled
+    """Read-only twin of :func:`diff_update` (staged whole-state writes): record every ``j``
+    where ``new[j]`` and ``old[j]`` differ bitwise as ``out_pos[k] = base + j``,
+    ``out_new[k] = new[j]``; writes neither input. Returns the number of differences. The
+    output arrays must hold ``len(old)`` entries."""
+    n = old.shape[0]
+    nblocks = (n + 63) // 64
+    idx = np.empty(GROUP_BLOCKS * 64 + 4, np.int64)
+    cnt = 0
+    k = 0
+    for b in range(nblocks):
+        s = b * 64
+        e = min(n, s + 64)
+        m = np.uint64(0)
+        for i in range(e - s):
+            m |= np.uint64(new[s + i] != old[s + i]) << np.uint64(i)
+        cnt = _flatten(m, s, idx, cnt)
+        if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
+            for q in range(cnt):
+                j = idx[q]
+                out_pos[k] = base + j
+                out_new[k] = new[j]
+                k += 1
+            cnt = 0
+    return k
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def scatter(target, pos, values, out_old):  # pragma: no cover - compiled
+    """``target[pos[i]] = values[i]``; the overwritten values go to ``out_old`` when it holds
+    ``len(pos)`` entries (an empty ``out_old`` keeps nothing)."""
+    keep = out_old.shape[0] == pos.shape[0]
+    for i in range(pos.shape[0]):
+        j = pos[i]
+        if keep:
+            out_old[i] = target[j]
+        target[j] = values[i]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def apply_flat_gaps_logged(target, gaps, start, count, packed, nib_off, exc, exc_off, out_old):  # pragma: no cover
+    """:func:`apply_flat_gaps` that also keeps every overwritten old value in ``out_old`` (the
+    write's journal, for :func:`restore_gaps`) and returns their drift hash: the sum of
+    :func:`mix64` over the changes, modulo 2**64. One pass over the changed positions."""
+    width = _width(target)
+    bits = 8 * width
+    e = exc_off
+    g = start
+    prev = np.int64(-1)
+    h = np.uint64(0)
+    for i in range(count):
+        byte = np.uint64(gaps[g])
+        g += 1
+        value = byte & np.uint64(0x7F)
+        shift = np.uint64(7)
+        while byte >= np.uint64(0x80):
+            byte = np.uint64(gaps[g])
+            g += 1
+            value |= (byte & np.uint64(0x7F)) << shift
+            shift += np.uint64(7)
+        j = prev + 1 + np.int64(value)
+        prev = j
+        c = nib_off + i
+        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
+        if z == np.uint64(ESCAPE):
+            z = np.uint64(0)
+            for b in range(width):
+                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
+            e += 1
+        old = target[j]
+        out_old[i] = old
+        h += mix64(j, old)
+        if width == 8:
+            target[j] = old ^ z
+        else:
+            zi = np.int64(z)
+            sd = (zi >> 1) ^ -(zi & 1)
+            target[j] = (np.int64(old) + sd) & ((np.int64(1) << bits) - 1)
+    return h
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def restore_gaps(target, gaps, start, count, old):  # pragma: no cover - compiled
+    """Undo a write: put ``old`` (from :func:`apply_flat_gaps_logged`) back at the positions of the
+    gap stream at ``gaps[start:]``."""
+    g = start
+    prev = np.int64(-1)
+    for i in range(count):
+        byte = np.uint64(gaps[g])
+        g += 1
+        value = byte & np.uint64(0x7F)
+        shift = np.uint64(7)
+        while byte >= np.uint64(0x80):
+            byte = np.uint64(gaps[g])
+            g += 1
+            value |= (byte & np.uint64(0x7F)) << shift
+            shift += np.uint64(7)
+        j = prev + 1 + np.int64(value)
+        prev = j
+        target[j] = old[i]

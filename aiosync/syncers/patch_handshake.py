@@ -1,0 +1,154 @@
+"""The patch-mode handshake (W7, W8): the receiver's metadata, the sender's answer, their
+structural checks, and the sender's plan of what it will patch.
+
+``ReceiverMetadata`` (receiver → sender) names the receiver's keys in order, their shapes,
+dtypes, tied keys (aliases), whether each can be written through a 2-D view, and a random
+session id; ``SenderHello`` (sender → receiver) accepts or refuses, says whether a bootstrap
+follows and which ordinals patches will touch. Everything malformed is a
+:class:`~aiosync.errors.HandshakeError` naming what is wrong. See docs/wire-format.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..dtypes import dtype_from_name, dtype_name
+from ..errors import HandshakeError
+from .indexing import as_coo_2d_view, coo_2d_shape
+from .patch_format import TensorLayout
+from .payloads import ReceiverMetadata, SenderHello
+from .state_dicts import alias_groups
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def metadata_dtype(name: Any) -> torch.dtype:
+    """A dtype named in receiver metadata; an unknown name is a :class:`HandshakeError`."""
+    dt = dtype_from_name(name)
+    if dt is None:
+        raise HandshakeError(f"unknown dtype {name!r} in receiver metadata")
+    return dt
+
+
+def receiver_metadata(state_dict: Mapping[str, torch.Tensor], session: int) -> ReceiverMetadata:
+    """What a receiver tells the sender about ``state_dict`` (read only)."""
+    keys = list(state_dict.keys())
+    viewable = []
+    for k in keys:
+        try:
+            as_coo_2d_view(state_dict[k], k)
+            viewable.append(True)
+        except ValueError:
+            viewable.append(False)
+    return ReceiverMetadata(
+        ordered_keys=keys, original_shapes=[tuple(state_dict[k].shape) for k in keys],
+        dtypes=[dtype_name(state_dict[k].dtype) for k in keys], aliases=alias_groups(state_dict),
+        viewable=viewable, session=session,
+    )
+
+
+def check_metadata(meta: ReceiverMetadata) -> None:
+    """Structure of the receiver's metadata: anything malformed is a :class:`HandshakeError`."""
+    keys, shapes, dtypes = meta.ordered_keys, meta.original_shapes, meta.dtypes
+    if not all(isinstance(x, (list, tuple)) for x in (keys, shapes, dtypes)):
+        raise HandshakeError("receiver metadata is malformed: keys, shapes and dtypes must be lists")
+    if len(shapes) != len(keys) or len(dtypes) != len(keys):
+        raise HandshakeError("receiver metadata is inconsistent: keys, shapes and dtypes differ in length")
+    if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        raise HandshakeError("receiver metadata is malformed: keys must be distinct strings")
+    for k, shape in zip(keys, shapes):
+        if not isinstance(shape, (list, tuple, torch.Size)) or not all(is_int(d) and d >= 0 for d in shape):
+            raise HandshakeError(f"receiver metadata gives {k!r} the malformed shape {shape!r}")
+    for d in dtypes:
+        metadata_dtype(d)
+    if not isinstance(meta.aliases, dict) or not all(
+            isinstance(a, str) and isinstance(b, str) and a in keys and b in keys for a, b in meta.aliases.items()):
+        raise HandshakeError("receiver metadata is malformed: aliases must map keys to keys")
+    viewable = meta.viewable
+    if not isinstance(viewable, (list, tuple)) or (viewable and len(viewable) != len(keys)) or not all(
+            isinstance(v, bool) for v in viewable):
+        raise HandshakeError("receiver metadata is malformed: viewable must be empty or one bool per key")
+    if meta.session is not None and not is_int(meta.session):
+        raise HandshakeError(f"receiver metadata has a malformed session {meta.session!r}")
+
+
+def check_hello(hello: Any, n_keys: int, session: int | None) -> None:
+    """Structure of the sender's answer: anything malformed is a :class:`HandshakeError`."""
+    if not isinstance(hello, SenderHello):
+        raise HandshakeError(f"expected SenderHello from the sender, got {type(hello).__name__}")
+    if not isinstance(hello.ok, bool) or not isinstance(hello.init_sync, bool):
+        raise HandshakeError("the sender's answer is malformed: ok and init_sync must be bools")
+    if not hello.ok:
+        raise HandshakeError(f"the sender refused this receiver: {hello.error}")
+    if hello.session is not None and hello.session != session:
+        raise HandshakeError("the sender's answer belongs to another handshake (a stale or duplicated message)")
+    ords = hello.synced_ordinals
+    if not isinstance(ords, (list, tuple)) or not all(is_int(o) and 0 <= o < n_keys for o in ords):
+        raise HandshakeError(f"the sender's answer names synced ordinals outside [0, {n_keys})")
+    if any(b <= a for a, b in zip(ords, ords[1:])):
+        raise HandshakeError("the sender's answer lists synced ordinals that are not strictly increasing")
+
+
+def same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    """Floating ↔ floating casts are allowed; integer and bool tensors must match exactly."""
+    return (a.is_floating_point and b.is_floating_point) or a == b
+
+
+def plan_slots(state_dict: Mapping[str, torch.Tensor], names: list[str], boot: list[str],
+               meta: ReceiverMetadata) -> tuple[list[str], dict[str, torch.dtype]]:
+    """Check keys, shapes and dtypes against the receiver's metadata; return the synced keys
+    ordered by receiver ordinal, one per alias group, and the receiver's dtype of every key."""
+    ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
+    recv_dtypes = {k: metadata_dtype(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}
+    viewable = dict(zip(meta.ordered_keys, meta.viewable)) if meta.viewable else {}
+    for key in list(dict.fromkeys(names + boot)):
+        if key not in ordinal:
+            raise HandshakeError(f"sender key {key!r} is missing on the receiver")
+        want = tuple(meta.original_shapes[ordinal[key]])
+        have = tuple(state_dict[key].shape)
+        if want != have:
+            raise HandshakeError(f"shape mismatch for {key!r}: sender {have}, receiver {want}")
+        if not same_kind(state_dict[key].dtype, recv_dtypes[key]):
+            raise HandshakeError(
+                f"dtype mismatch for {key!r}: sender {state_dict[key].dtype}, receiver {recv_dtypes[key]} "
+                "(only floating-point tensors may change dtype)")
+    for key in names:
+        if viewable and not viewable.get(key, True):
+            raise HandshakeError(
+                f"receiver tensor {key!r} of shape {tuple(meta.original_shapes[ordinal[key]])} cannot be viewed "
+                "as 2-D without a copy, so patch mode cannot write it; make it contiguous or use bucket mode")
+    canonical = {k: meta.aliases.get(k, k) for k in names}
+    seen: set[str] = set()
+    slots = []
+    for key in sorted(names, key=ordinal.__getitem__):
+        if canonical[key] in seen:
+            continue
+        seen.add(canonical[key])
+        slots.append(key)
+    return slots, recv_dtypes
+
+
+def sender_layouts(slots: list[str], meta: ReceiverMetadata, dtypes: Mapping[str, torch.dtype]) -> list[TensorLayout]:
+    """The layout of every slot as the receiver holds it (its ordinal, 2-D shape and width)."""
+    ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
+    out = []
+    for k in slots:
+        rows, cols = coo_2d_shape(meta.original_shapes[ordinal[k]])
+        out.append(TensorLayout(ordinal[k], rows, cols, dtypes[k].itemsize))
+    return out
+
+
+def receiver_layouts(state_dict: Mapping[str, torch.Tensor], keys: list[str],
+                     ordinals: list[int]) -> dict[int, TensorLayout]:
+    """The receiver's layouts of the ordinals the sender will patch."""
+    out = {}
+    for o in ordinals:
+        t = state_dict[keys[o]]
+        rows, cols = coo_2d_shape(t.shape)
+        out[o] = TensorLayout(o, rows, cols, t.element_size())
+    return out

@@ -1,0 +1,259 @@
+"""The patch receiver's two halves (F3): :func:`prepare_patch` validates a received patch
+outside the exclusive section (decompression and decoding included; the model is not
+touched), :func:`write_patch` writes it inside.
+
+The write is the minimum: one pass over the changed positions that writes the new bits and
+keeps the old ones (the undo record, O(changed)) and their drift hash (``flat`` patches), then
+the optional checksums. A tensor that fails its drift check, or any other failure inside the
+write, undoes the whole patch before the error propagates: nothing of it stays written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
+from ..messages import payload_nbytes
+from .bucket_format import check_version
+from .codecs import decompress_patch
+from .indexing import as_coo_2d_view, coo_2d_shape
+from .integrity import drift_hash, read_checksums, tensor_checksum
+from .patch_format import DecodedTensor, TensorLayout, decode_patch
+from .patch_handshake import is_int
+from .payloads import CompressedWeightPatch, EmptyWeightPatch, WeightPatch
+from .snapshot import _np_bits, as_bits
+from .staging import Journal
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class ReceiverState:
+    """What a patch receiver's handshake established: its keys (ordinal order), the layouts of
+    the ordinals patches touch, and the session (``None``: not checked)."""
+
+    keys: list[str] = field(default_factory=list)
+    layouts: dict[int, TensorLayout] = field(default_factory=dict)
+    session: int | None = None
+
+
+@dataclass
+class PreparedPatch:
+    """A validated patch, ready to write: its tensors in ordinal order."""
+
+    version: int
+    decoded: list[DecodedTensor]
+    keys: list[str]
+    checksums: list[int] | None
+    old_hashes: list[int] | None
+    nbytes: int
+
+    @property
+    def changed(self) -> int:
+        return sum(d.count for d in self.decoded)
+
+
+def check_header(payload: Any, version_now: int | None, session: int | None) -> int:
+    """Kind, version, base version and session of a received patch; returns its version."""
+    if not isinstance(payload, (WeightPatch, CompressedWeightPatch, EmptyWeightPatch)):
+        raise PayloadError(f"expected a weight patch, got {type(payload).__name__}")
+    version = check_version(payload.version)
+    if version_now is not None and version <= version_now:
+        raise VersionError(f"patch version {version} does not advance the applied version {version_now}")
+    base = payload.base_version
+    if base is not None and not is_int(base):
+        raise PayloadError(f"patch {version} has a malformed base_version {base!r}")
+    if base != version_now:
+        raise PatchChainError(f"patch {version} was built on version {base}, but this receiver holds {version_now}",
+                              expected_base=base, receiver_version=version_now)
+    if session is not None and (not is_int(payload.session) or payload.session != session):
+        raise PayloadError(f"patch {version} belongs to another handshake (a stale or duplicated payload); "
+                           "refused, nothing was written")
+    return version
+
+
+def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, target: Mapping[str, torch.Tensor],
+                  *, verify_checksums: bool) -> PreparedPatch:
+    """Validate ``payload`` whole against the receiver; nothing is written (``target`` is read
+    for shapes and dtypes only). Everything malformed raises :class:`PayloadError` (or the
+    subclass named), never another exception type."""
+    version = check_header(payload, version_now, state.session)
+    nbytes = payload_nbytes(payload)
+    if isinstance(payload, EmptyWeightPatch):
+        return PreparedPatch(version, [], [], None, None, nbytes)
+    try:
+        if isinstance(payload, CompressedWeightPatch):
+            payload = decompress_patch(payload, {o: lay.elem_size for o, lay in state.layouts.items()})
+        decoded = decode_patch(payload, state.layouts)
+        what = f"patch {payload.version}"
+        checksums = old_hashes = None
+        if payload.checksums is not None:
+            checksums = read_checksums(payload.checksums, len(decoded), what)
+        elif verify_checksums:
+            raise PayloadError(f"{what} carries no checksums but verify_checksums is on")
+        if payload.old_hashes is not None:
+            old_hashes = read_checksums(payload.old_hashes, len(decoded), what, "old_hashes")
+        elif payload.encoding == "flat" and decoded:
+            raise PayloadError(f"{what} is a flat patch without old_hashes (its drift check); refused, nothing "
+                               "was written")
+        keys = [state.keys[d.ordinal] for d in decoded]
+        for d, key in zip(decoded, keys):
+            check_target(target, key, state.layouts[d.ordinal])
+    except AiosyncError:
+        raise
+    except Exception as exc:  # garbage that slipped past the checks: still the library's error
+        raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
+    return PreparedPatch(version, decoded, keys, checksums, old_hashes, nbytes)
+
+
+def check_target(target: Mapping[str, torch.Tensor], key: str, lay: TensorLayout) -> torch.Tensor:
+    t = target[key] if key in target else None
+    if not isinstance(t, torch.Tensor) or tuple(coo_2d_shape(t.shape)) != (lay.rows, lay.cols) \
+            or t.element_size() != lay.elem_size:
+        raise PayloadError(f"receiver tensor {key!r} changed shape or dtype since init_receiver")
+    return t
+
+
+def _fast(d: DecodedTensor, t: torch.Tensor) -> bool:
+    """Whether the numba writer applies: a flat tensor decoded on CPU into a contiguous CPU tensor."""
+    return d.is_delta and d.gaps is not None and t.device.type == "cpu" and t.is_contiguous() \
+        and not d.payload.is_cuda
+
+
+@dataclass
+class _Job:
+    key: str
+    d: DecodedTensor
+    t: torch.Tensor
+    fast: bool
+    lay: TensorLayout
+    np_target: Any = None
+    old: Any = None  # the overwritten bits: numpy (fast path) or a tensor (torch path)
+    old_hash: int | None = None
+    view: Any = None
+    index: Any = None
+    new: Any = None
+    written: bool = False
+
+
+def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, layouts: dict[int, TensorLayout],
+                journal: Journal | None, after_each: Callable[[int, int], None] | None = None) -> int:
+    """Write a prepared patch into ``target`` (in the calling thread); returns the elements
+    written.
+
+    Every overwritten value is kept, so the write undoes itself whatever fails inside it: a
+    tensor whose old bits at the changed positions are not the ones the sender built the patch
+    on (:class:`DriftError`; checked in the same pass as the write on the numba path, before
+    any write on the torch path), a checksum mismatch (:class:`ChecksumError`), an exception
+    of ``after_each(i, n)`` (run after the ``i``-th of ``n`` tensors; fault injection). Then
+    nothing of the patch stays written. On success the undo records go to ``journal`` (if any)
+    for the caller's later steps.
+    """
+    jobs = []
+    for d, key in zip(prepared.decoded, prepared.keys):
+        t = check_target(target, key, layouts[d.ordinal])
+        jobs.append(_Job(key, d, t, _fast(d, t), layouts[d.ordinal]))
+    hashes = prepared.old_hashes
+    for i, job in enumerate(jobs):  # torch path: gather old bits and check them before any write
+        if not job.fast:
+            _prepare_torch(job)
+            if hashes is not None:
+                _check_drift(job, drift_hash(job.d.positions, job.old), hashes[i])
+    try:
+        with torch.no_grad():
+            if after_each is not None or len(jobs) < 2:
+                for i, job in enumerate(jobs):
+                    _write_one(job)
+                    if after_each is not None:
+                        after_each(i, len(jobs))
+            else:
+                _write_parallel(jobs)
+        if hashes is not None:
+            for job, want in zip(jobs, hashes):
+                if job.fast:
+                    _check_drift(job, job.old_hash, want)
+        if prepared.checksums is not None:
+            for job, want in zip(jobs, prepared.checksums):
+                if tensor_checksum(job.t) != want:
+                    raise ChecksumError(
+                        f"tensor {job.key!r} does not match the sender's checksum after applying the patch "
+                        "(corrupted in transit, or this receiver's weights had drifted); the patch was rolled back")
+    except BaseException:
+        with torch.no_grad():
+            for job in reversed(jobs):
+                if job.written:
+                    _undo(job)()
+        raise
+    if journal is not None:
+        for job in jobs:
+            journal.record(_undo(job))
+    return prepared.changed
+
+
+def _check_drift(job: _Job, have: int, want: int) -> None:
+    if have & _MASK64 != want & _MASK64:
+        raise DriftError(
+            f"receiver tensor {job.key!r} does not hold, at the {job.d.count} positions the patch changes, the values "
+            "the sender built it on (written behind aiosync's back, or a lost delivery); refused, nothing was written")
+
+
+def _write_parallel(jobs: list[_Job]) -> None:
+    """Write every tensor, one group of about equal work per CPU (a task per tensor costs more
+    than a small tensor's write); returns once every write has finished."""
+    import os
+    from concurrent.futures import wait
+
+    from .patch_format import _codec_pool
+
+    n_groups = max(1, min(len(jobs), os.cpu_count() or 1, _codec_pool()._max_workers))
+    total = sum(j.d.count for j in jobs) or 1
+    groups: list[list[_Job]] = [[] for _ in range(n_groups)]
+    done = 0
+    for job in jobs:
+        groups[min(n_groups - 1, done * n_groups // total)].append(job)
+        done += job.d.count
+    futures = [_codec_pool().submit(lambda g=g: [_write_one(j) for j in g]) for g in groups if g]
+    wait(futures)
+    for f in futures:
+        f.result()
+
+
+def _write_one(job: _Job) -> None:
+    if job.fast:
+        from .kernels_write import apply_flat_gaps_logged
+
+        d = job.d
+        job.np_target = _np_bits(job.t.view(-1))
+        job.old = np.empty(d.count, job.np_target.dtype)
+        job.old_hash = int(apply_flat_gaps_logged(job.np_target, d.gaps, d.gap_start, d.count, d.payload.numpy(),
+                                                  d.nib_off, d.exceptions.numpy(), d.exc_off, job.old))
+    else:
+        job.view[job.index] = job.new
+    job.written = True
+
+
+def _undo(job: _Job) -> Callable[[], None]:
+    if job.fast:
+        from .kernels_write import restore_gaps
+
+        return lambda: restore_gaps(job.np_target, job.d.gaps, job.d.gap_start, job.d.count, job.old)
+    return lambda: job.view.__setitem__(job.index, job.old)
+
+
+def _prepare_torch(job: _Job) -> None:
+    """Torch path (non-contiguous or CUDA tensors, ``coo``): gather old bits, compute new ones."""
+    t, d, lay = job.t, job.d, job.lay
+    pos = d.positions.to(t.device)
+    if t.is_contiguous():
+        job.view, job.index = as_bits(t).view(-1), pos
+    else:
+        job.view = as_bits(as_coo_2d_view(t, job.key))
+        r = torch.div(pos, lay.cols, rounding_mode="floor")
+        job.index = (r, pos - r * lay.cols)
+    job.old = job.view[job.index]
+    job.new = d.new_bits(job.old)

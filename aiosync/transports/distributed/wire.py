@@ -1,0 +1,373 @@
+"""The frame codec of the distributed transport: one message as a prefix, a JSON header and
+up to two packed bodies. Point-to-point (:class:`~.transport.DistributedTransport`) and
+broadcast (:meth:`~.group.WeightSyncGroup.broadcast`) both frame with it, and both read the
+prefix through :meth:`Prefix.parse`, the one place it is validated.
+
+Wire format of one message (see ``docs/distributed.md``)::
+
+    prefix   int64[4]  MAGIC, header bytes, host-body bytes, device-body bytes   (control group)
+    header   uint8[]   UTF-8 JSON: the payload's structure; tensors and bytes as references  (control group)
+    host     uint8[]   CPU tensors and ``bytes``, each at a 64-byte aligned offset            (control group)
+    device   uint8[]   CUDA tensors, when a device (NCCL) data group is configured           (data group)
+
+The header is JSON, never pickle: only plain values, lists, tuples, dicts, ``torch.dtype``,
+tensors, ``bytes`` and *registered* dataclasses (:func:`aiosync.messages.message`; aiosync's
+payload and protocol classes are registered) can travel, so a peer cannot make this process
+run code. A dataclass travels as ``{"$dc": "module:qualname", "f": {field: value}}`` and is
+rebuilt only if that name resolves through :func:`aiosync.messages.message_type`. dtypes
+travel by name (:mod:`aiosync.dtypes`). Received tensors are views into the received body
+(no copy) on the body's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...aio import run_sync
+from ...dtypes import dtype_from_name, dtype_name
+from ...errors import PayloadError
+from ...messages import is_message, message_type, payload_nbytes, type_name
+
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PREFIX_BYTES", "Prefix", "Frame", "encode_message", "decode_message",
+           "encode_cached"]
+
+MAGIC = 0x41494F53594E4331  # "AIOSYNC1"
+#: The prefix: four int64 words.
+PREFIX_WORDS = 4
+PREFIX_BYTES = 8 * PREFIX_WORDS
+_ALIGN = 64
+#: Bodies at least this large are packed in a worker thread, not on the event loop.
+_PACK_IN_THREAD = 1 << 20
+#: Upper bound on a header, so a corrupt prefix cannot make us allocate gigabytes for it.
+MAX_HEADER_BYTES = 256 << 20
+
+
+# ----------------------------------------------------------------------------- the prefix
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The ``int64[4]`` that opens every message: :data:`MAGIC`, then the byte sizes of the
+    header, the host body and the device body that follow it."""
+
+    header_bytes: int
+    host_bytes: int = 0
+    device_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole message on the wire, prefix included."""
+        return PREFIX_BYTES + self.header_bytes + self.host_bytes + self.device_bytes
+
+    def tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """The prefix as it is sent."""
+        return torch.tensor([MAGIC, self.header_bytes, self.host_bytes, self.device_bytes], dtype=torch.int64,
+                            device=device)
+
+    @staticmethod
+    def buffer(device: torch.device | None = None) -> torch.Tensor:
+        """An empty prefix to receive into."""
+        return torch.zeros(PREFIX_WORDS, dtype=torch.int64, device=device)
+
+    @classmethod
+    def parse(cls, words: torch.Tensor | Sequence[int], *, sender: str, device_body: bool = True) -> "Prefix":
+        """Validate a received prefix before anything is allocated for what follows.
+
+        ``sender`` names the peer in the error (``"rank 3"``); ``device_body``: whether this
+        end can receive a device body (it has a device data group). Raises
+        :class:`aiosync.errors.PayloadError` for a wrong magic number, a header size outside
+        ``(0, MAX_HEADER_BYTES]``, a negative body size, or a device body this end cannot take.
+        """
+        values = words.cpu().tolist() if isinstance(words, torch.Tensor) else list(words)
+        if len(values) != PREFIX_WORDS:
+            raise PayloadError(f"{sender} sent a prefix of {len(values)} words, not {PREFIX_WORDS}")
+        magic, header_n, host_n, dev_n = (int(v) for v in values)
+        shown = f"(prefix {[magic, header_n, host_n, dev_n]})"
+        if magic != MAGIC:
+            raise PayloadError(f"{sender} sent a frame that is not an aiosync message {shown}")
+        if not 0 < header_n <= MAX_HEADER_BYTES:
+            raise PayloadError(f"{sender} sent a frame whose header would be {header_n} bytes, outside "
+                               f"(0, {MAX_HEADER_BYTES}]: not an aiosync message, or a corrupt one {shown}")
+        if host_n < 0 or dev_n < 0:
+            raise PayloadError(f"{sender} sent a frame with a negative body size: not an aiosync message {shown}")
+        if dev_n and not device_body:
+            raise PayloadError(f"{sender} sent {dev_n} bytes of device tensors, but this end has no "
+                               "device data group")
+        return cls(header_n, host_n, dev_n)
+
+
+@dataclass
+class Frame:
+    """One encoded message: the JSON header and up to two packed bodies."""
+
+    header: bytes
+    host: torch.Tensor | None
+    device: torch.Tensor | None
+
+    @property
+    def prefix(self) -> Prefix:
+        """The prefix announcing this frame."""
+        return Prefix(len(self.header), 0 if self.host is None else self.host.numel(),
+                      0 if self.device is None else self.device.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire, prefix included."""
+        return self.prefix.nbytes
+
+    def header_tensor(self) -> torch.Tensor:
+        """The header as the ``uint8`` tensor that is sent."""
+        return torch.frombuffer(bytearray(self.header), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _parse_dtype(name: Any) -> torch.dtype:
+    dt = dtype_from_name(name)
+    if dt is None:
+        raise PayloadError(f"message header names an unknown dtype {name!r}")
+    return dt
+
+
+def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.is_sparse or t.layout is not torch.strided:
+        raise PayloadError(f"cannot send a {t.layout} tensor; send it dense")
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise PayloadError(f"cannot send a {type(t).__name__}; materialise it first (e.g. DTensor.full_tensor())")
+    return t.detach().resolve_conj().resolve_neg()
+
+
+class _Encoder:
+    """Turns a payload into a JSON-able tree plus the tensors and byte strings it references."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device  # tensors on this device go to the device body
+        self.host: list[tuple[int, Any]] = []  # (offset, tensor or bytes)
+        self.dev: list[tuple[int, torch.Tensor]] = []
+        self.host_size = 0
+        self.dev_size = 0
+        self.tensors: list[list] = []
+
+    def encode(self, obj: Any) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"$float": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return {"$t": self._tensor(obj)}
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            data = bytes(obj)
+            off = self.host_size
+            self.host.append((off, data))
+            self.host_size = _round_up(off + len(data))
+            return {"$b": [off, len(data)]}
+        if isinstance(obj, list):
+            return [self.encode(v) for v in obj]
+        if isinstance(obj, tuple):
+            return {"$tuple": [self.encode(v) for v in obj]}
+        if isinstance(obj, dict):
+            return {"$dict": [[self.encode(k), self.encode(v)] for k, v in obj.items()]}
+        if isinstance(obj, torch.dtype):
+            return {"$dtype": dtype_name(obj)}
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            if not is_message(obj):
+                raise PayloadError(
+                    f"cannot send a {type(obj).__name__}: it is not a registered message type; "
+                    "register it with @aiosync.messages.message")
+            fields = {f.name: self.encode(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            return {"$dc": type_name(type(obj)), "f": fields}
+        raise PayloadError(f"cannot send a {type(obj).__name__} over a process boundary: send tensors, bytes, "
+                           "numbers, strings, lists, tuples, dicts or registered dataclasses")
+
+    def _tensor(self, t: torch.Tensor) -> int:
+        t = _plain_tensor(t)
+        nbytes = t.numel() * t.element_size()
+        on_device = self.device is not None and t.device.type == self.device.type
+        if on_device:
+            off = self.dev_size
+            self.dev.append((off, t))
+            self.dev_size = _round_up(off + nbytes)
+        else:
+            off = self.host_size
+            self.host.append((off, t))
+            self.host_size = _round_up(off + nbytes)
+        self.tensors.append([1 if on_device else 0, off, nbytes, dtype_name(t.dtype), list(t.shape)])
+        return len(self.tensors) - 1
+
+    def pack(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        host = dev = None
+        if self.host_size:
+            host = torch.empty(self.host_size, dtype=torch.uint8)
+            for off, item in self.host:
+                if isinstance(item, bytes):
+                    if item:
+                        host[off:off + len(item)] = torch.frombuffer(bytearray(item), dtype=torch.uint8)
+                else:
+                    _copy_bytes(host, off, item)
+        if self.dev_size:
+            dev = torch.empty(self.dev_size, dtype=torch.uint8, device=self.device)
+            for off, t in self.dev:
+                _copy_bytes(dev, off, t)
+        return host, dev
+
+
+def _copy_bytes(dst: torch.Tensor, off: int, t: torch.Tensor) -> None:
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return
+    src = t.contiguous().reshape(-1).view(torch.uint8)
+    dst[off:off + n].copy_(src, non_blocking=False)
+
+
+def encode_message(payload: Any, device: torch.device | None = None) -> Frame:
+    """Encode ``payload`` into a :class:`Frame`. Tensors on ``device`` (a CUDA device) go to the
+    device body; every other tensor, and ``bytes``, to the host body."""
+    enc = _Encoder(device)
+    tree = enc.encode(payload)
+    header = json.dumps({"v": 1, "tree": tree, "tensors": enc.tensors}, separators=(",", ":"),
+                        allow_nan=False).encode()
+    host, dev = enc.pack()
+    return Frame(header, host, dev)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+class _Decoder:
+    def __init__(self, tensors: list, host: torch.Tensor | None, dev: torch.Tensor | None) -> None:
+        self.entries = tensors
+        self.host, self.dev = host, dev
+
+    def _body(self, which: int) -> torch.Tensor:
+        body = self.dev if which == 1 else self.host
+        if body is None:
+            raise PayloadError("message references a body it does not carry")
+        return body
+
+    def tensor(self, index: Any) -> torch.Tensor:
+        if not isinstance(index, int) or not 0 <= index < len(self.entries):
+            raise PayloadError(f"message references tensor {index!r}, which it does not describe")
+        try:
+            which, off, nbytes, dtype, shape = self.entries[index]
+        except (TypeError, ValueError):
+            raise PayloadError(f"malformed tensor entry {self.entries[index]!r}") from None
+        dtype = _parse_dtype(dtype)
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise PayloadError(f"malformed tensor shape {shape!r}")
+        numel = math.prod(shape)
+        if numel * dtype.itemsize != nbytes:
+            raise PayloadError(f"tensor entry {index}: {nbytes} bytes do not hold {shape} of {dtype}")
+        body = self._body(which)
+        if not (isinstance(off, int) and off >= 0 and off % _ALIGN == 0 and off + nbytes <= body.numel()):
+            raise PayloadError(f"tensor entry {index}: bytes [{off}, {off}+{nbytes}) lie outside the body")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=body.device)
+        return body[off:off + nbytes].view(dtype).reshape(shape)
+
+    def decode(self, node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v) for v in node]
+        if not isinstance(node, dict) or len(node) not in (1, 2):
+            raise PayloadError(f"malformed message header node {str(node)[:80]!r}")
+        if "$t" in node:
+            return self.tensor(node["$t"])
+        if "$tuple" in node:
+            return tuple(self.decode(v) for v in node["$tuple"])
+        if "$dict" in node:
+            out = {}
+            for pair in node["$dict"]:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise PayloadError("malformed dict entry in message header")
+                key = self.decode(pair[0])
+                try:
+                    out[key] = self.decode(pair[1])
+                except TypeError:
+                    raise PayloadError(f"unhashable dict key {key!r} in message") from None
+            return out
+        if "$b" in node:
+            off, n = node["$b"]
+            body = self._body(0)
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= body.numel()):
+                raise PayloadError("message bytes lie outside the body")
+            return bytes(body[off:off + n].numpy().tobytes())
+        if "$float" in node:
+            return float(node["$float"])
+        if "$dtype" in node:
+            return _parse_dtype(node["$dtype"])
+        if "$dc" in node:
+            return self._dataclass(node)
+        raise PayloadError(f"unknown node {sorted(node)} in message header")
+
+    def _dataclass(self, node: dict) -> Any:
+        name = node["$dc"]
+        cls = message_type(name) if isinstance(name, str) else None
+        if cls is None:
+            raise PayloadError(f"message holds a {name!r}, which is not a registered message type on this side "
+                               "(@aiosync.messages.message)")
+        fields = node.get("f")
+        if not isinstance(fields, dict):
+            raise PayloadError("malformed dataclass node in message header")
+        try:
+            return cls(**{k: self.decode(v) for k, v in fields.items()})
+        except TypeError as exc:
+            raise PayloadError(f"cannot rebuild {cls.__name__} from the message: {exc}") from None
+
+
+def decode_message(header: bytes, host: torch.Tensor | None = None, device: torch.Tensor | None = None) -> Any:
+    """Rebuild a payload from a header and its bodies (inverse of :func:`encode_message`)."""
+    try:
+        doc = json.loads(header.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PayloadError(f"message header is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("tensors"), list):
+        raise PayloadError("message header has an unknown layout (not an aiosync v1 message)")
+    try:
+        return _Decoder(doc["tensors"], host, device).decode(doc.get("tree"))
+    except PayloadError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+        raise PayloadError(f"malformed message: {type(exc).__name__}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- fan-out cache
+
+#: Encoded frames of payloads sent to several peers (fan-out), keyed by the payload object.
+_FRAME_CACHE: "weakref.WeakKeyDictionary[Any, tuple[Any, Frame]]" = weakref.WeakKeyDictionary()
+
+
+async def encode_cached(payload: Any, device: torch.device | None) -> Frame:
+    """Encode ``payload`` (in a worker thread when it is large, so the event loop never packs
+    big bodies); a payload object sent again (to another explorer) reuses its frame."""
+    try:
+        hit = _FRAME_CACHE.get(payload)
+    except TypeError:  # not weak-referenceable / hashable: never cached
+        hit = None
+    if hit is not None and hit[0] == device:
+        return hit[1]
+    if payload_nbytes(payload) >= _PACK_IN_THREAD:
+        frame = await run_sync(encode_message, payload, device)
+    else:
+        frame = encode_message(payload, device)
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        try:
+            _FRAME_CACHE[payload] = (device, frame)
+        except TypeError:
+            pass
+    return frame
