@@ -21,17 +21,14 @@ from aiosync.syncers.patch_format import TensorLayout, encode_patch, unzigzag_ap
     zigzag_delta
 from aiosync.syncers.integrity import drift_hash
 from aiosync.syncers.snapshot import Snapshot
+from helpers import bits
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # (encoding, delta_encoding) variants of the wire format
 FORMATS = [("coo", True), ("coo", False), ("flat", False)]
 FORMAT_IDS = ["coo-delta", "coo-abs", "flat"]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:

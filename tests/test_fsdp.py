@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from helpers import bits as _bits
 
 WORLD = 2
 STEPS = 3
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -31,9 +31,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 class Block(nn.Module):

@@ -28,17 +28,14 @@ from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import AiosyncError, PeerTimeoutError
 from aiosync.syncers.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
                                       WeightPatch)
+from helpers import bits
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                 derandomize=True)
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.bfloat16,
           torch.float16, torch.bool]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from aiosync.syncers import (BucketWeightSyncer, CompressedWeightPatch, PatchWei
                              collect_param_names_need_sync)
 from aiosync.transports.inproc import inproc_pair
 from aiosync.syncers.snapshot import Snapshot
+from helpers import bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,12 +24,8 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 def assert_bit_exact(src_sd, dst_sd, keys):

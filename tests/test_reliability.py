@@ -24,14 +24,11 @@ from aiosync.syncers.bucket_format import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY
 from aiosync.syncers.config import WeightSyncerConfig
 from aiosync.syncers.integrity import decode_manifest, tensor_checksum
 from aiosync.syncers.payloads import EmptyWeightPatch, SenderHello, WeightPatch
+from helpers import bits
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FORMATS = [("coo", True), ("flat", False)]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 def snapshot(sd: dict) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from aiosync.coordination import Synchronizer
-from aiosync.errors import DrainError, VersionError, WouldBlock
+from aiosync.errors import DrainError, VersionError
 from aiosync.syncers.patch import PatchWeightSyncer
 from aiosync.transports.base import Transport
 from aiosync.transports.simulated import simulated_pair
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.both_loops
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_kernels():
     """Compile the numba kernels before short delivery timeouts start counting."""
-    from aiosync.syncers.kernels import warm_up
+    from aiosync.syncers.kernels_warmup import warm_up
 
     warm_up()
 

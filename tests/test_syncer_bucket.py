@@ -12,13 +12,10 @@ from aiosync.syncers import BucketWeightSyncer, collect_param_names_need_sync, i
 from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import HandshakeError, VersionError
 from aiosync.syncers.bucket_format import BUCKET_KEY, META_PREFIX, VERSION_KEY
+from helpers import bits
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 class Net(nn.Module):

@@ -15,14 +15,11 @@ from aiosync.syncers import (CompressedWeightPatch, EmptyWeightPatch, PatchWeigh
 from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import (CodecUnavailableError, ConfigError, HandshakeError, PatchChainError, VersionError)
 from aiosync.syncers.payloads import ReceiverMetadata, SenderHello
+from helpers import bits
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ----------------------------------------------------------------------------- helpers
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_BITS[t.element_size()])
 
 
 def assert_bit_exact(src_sd, dst_sd, keys=None):

@@ -33,7 +33,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..messages import payload_nbytes
 from ..syncers import WeightSyncer
-from ..syncers.kernels import warm_up
+from ..syncers.kernels_warmup import warm_up
 from ..syncers.snapshot import as_bits
 from ..transports.inproc import inproc_pair
 

@@ -27,10 +27,8 @@ import argparse
 import dataclasses
 import json
 import logging
-import random
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any

@@ -218,7 +218,7 @@ class FullStateWrite:
 def warm_up_kernels(tensors) -> None:
     """Compile (or load) the numba kernels for these tensors' element widths: numba holds the
     GIL while compiling, so this belongs in a worker thread before the first use."""
-    from .kernels import warm_up
+    from .kernels_warmup import warm_up
 
     warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in BITS_DTYPES})))
 

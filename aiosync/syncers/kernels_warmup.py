@@ -1,0 +1,57 @@
+"""Compiling the numba kernels ahead of use (or loading them from numba's on-disk cache).
+
+numba holds the GIL while it compiles, so warming up belongs in set-up, in a worker thread
+(``init_sender`` / ``init_receiver`` / staging do it), never in the first sync, where it would
+stall the event loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels_write as kw
+from .kernels import (apply_flat, apply_flat_gaps, count_escapes, decode_gaps, diff_encode_flat, diff_update,
+                      encode_flat, pack_nibbles)
+
+_WARM: set[int] = set()
+
+
+def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Compile (or load from numba's on-disk cache) the kernels for these element widths.
+
+    numba holds the GIL while it compiles, so this belongs in set-up (``init_sender`` /
+    ``init_receiver`` call it in a worker thread), not in the first sync, where it would
+    stall the event loop.
+    """
+    todo = [w for w in widths if w not in _WARM]
+    if not todo:
+        return
+    dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    for w in todo:
+        dt = dtypes[w]
+        n = 130
+        new, snap = np.ones(n, dt), np.zeros(n, dt)
+        pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
+        diff_update(new, snap.copy(), False, pos, nv, ov, 0)
+        k0 = kw.diff_positions(new, snap, pos, nv, 0)
+        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:k0])
+        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:0])
+        gaps, nibs, exc = np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((w, n), np.uint8)
+        k, g, _, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc, 0)
+        encode_flat(pos, nv, ov, 0, -1, gaps, nibs, exc)
+        packed = np.zeros((k + 1) // 2, np.uint8)
+        pack_nibbles(nibs[:k], packed)
+        count_escapes(packed, np.array([k], np.int64), np.empty(1, np.int64))
+        out = np.empty(k, np.int64)
+        decode_gaps(gaps, 0, g, k, n, out, True)
+        decode_gaps(gaps, 0, g, k, n, out, False)
+        apply_flat(np.zeros(n, dt), out, packed, 0, exc, 0, k)
+        apply_flat_gaps(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0)
+        old = np.empty(k, dt)
+        kw.apply_flat_gaps_logged(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0, old)
+        kw.restore_gaps(np.zeros(n, dt), gaps, 0, k, old)
+        if w == 2:
+            src = np.ones(n, np.uint32)
+            diff_update(src, snap.copy(), True, pos, nv, ov, 0)
+            diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc, 0)
+        _WARM.add(w)
