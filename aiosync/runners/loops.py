@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from ..coordination.explorer import Explorer as ExplorerHandle
+from ..coordination.explorer import Explorer
 from ..coordination.trainer import TrainerHandle
 
 
@@ -88,7 +88,7 @@ class ExplorerLoop:
     version it holds: stamp what the step produces with it (S10).
     """
 
-    def __init__(self, explorer: ExplorerHandle, *, max_steps: int | None = None) -> None:
+    def __init__(self, explorer: Explorer, *, max_steps: int | None = None) -> None:
         self.explorer = explorer
         self.max_steps = max_steps
 
