@@ -27,6 +27,7 @@ import logging
 import torch
 from torch import nn
 
+import aiosync
 from aiosync.coordination import Synchronizer  # also exported as aiosync.Synchronizer
 from aiosync.transports.simulated import simulated_pair
 
@@ -137,6 +138,7 @@ if __name__ == "__main__":
     parser.add_argument("--uvloop", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    aiosync.warm_up()  # load the numba kernels before the loop runs (their set-up holds the GIL)
     coro = main(args.steps, args.explorers, args.latency)
     if args.uvloop:
         import uvloop

@@ -11,6 +11,8 @@ import torch
 from aiosync.coordination import LatestSlot, Lease, PolicySlot
 from aiosync.errors import ApplyError, ClosedResourceError, EndOfStream, PeerTimeoutError, WouldBlock
 
+pytestmark = pytest.mark.both_loops  # leases, cancellation and writer priority depend on the loop
+
 
 def stamped(version: int) -> dict[str, torch.Tensor]:
     """A model whose every tensor encodes its version."""

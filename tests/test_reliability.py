@@ -103,6 +103,7 @@ async def test_a_lost_patch_breaks_the_chain_loudly_and_a_rebootstrap_repairs_it
     assert await r2.apply(dst, b.recv) == 4 and holds(dst, 4)
 
 
+@pytest.mark.both_loops
 async def test_a_sender_cancelled_mid_sync_keeps_the_chain_honest():
     s, r = patch_pair()
     src, dst = state(0), receiver_model()
@@ -223,6 +224,7 @@ async def test_stale_handshake_answers_and_bootstrap_buckets_are_refused():
     assert same(before, dst)
 
 
+@pytest.mark.both_loops
 async def test_cancelling_an_apply_while_it_writes_commits_it_whole():
     """The worker thread that writes cannot be interrupted; the version must then move with
     the weights, never stay behind them."""

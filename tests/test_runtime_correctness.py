@@ -22,6 +22,7 @@ import torch
 
 from aiosync.coordination import Synchronizer
 from aiosync.errors import DrainError, VersionError
+from aiosync.syncers.config import WeightSyncerConfig
 from aiosync.syncers.patch import PatchWeightSyncer
 from aiosync.transports.base import Transport
 from aiosync.transports.simulated import simulated_pair
@@ -194,26 +195,31 @@ async def test_a_repair_does_not_hold_rollouts_back_while_it_downloads():
 
 
 async def test_a_patch_apply_takes_the_model_only_to_write():
-    """Downloading and validating a patch run outside the exclusive section: a patch held on
-    the wire never blocks a lease."""
+    """Decompressing and validating a patch run outside the exclusive section: a patch held
+    in the middle of staging never blocks a lease."""
     gate = Gate()
+    cfg = WeightSyncerConfig.from_any(PATCH)
 
-    def factory(name):
-        a, b = simulated_pair(seed=3, timeout=HANG_GUARD)
-        return a, GatedRecv(b, gate, lambda m: type(m).__name__ == "Packet")
+    class GatedStaging(PatchWeightSyncer):
+        async def stage_payload(self, model, payload):
+            if not gate.opened.is_set():
+                gate.hold()
+                await gate.opened.wait()
+            return await super().stage_payload(model, payload)
 
     state = trainer_state()
-    async with Synchronizer(dict(style="trainer_driven", sync_weight_no_wait=True), PATCH,
-                            transport_factory=factory) as sync:
+    async with Synchronizer(dict(style="trainer_driven", sync_weight_no_wait=True),
+                            lambda: GatedStaging.from_config(cfg.patch)) as sync:
         trainer = await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", rollout_model())
         train_to(state, 1)
         await trainer.sync_weight(1)
+        await ex.wait_applied(HANG_GUARD)
         gate.close()
         train_to(state, 2)
         await trainer.sync_weight(2)
-        await gate.wait_blocked()
-        with ex.lease_nowait() as (model, version):
+        await gate.wait_blocked()  # the explorer is staging version 2...
+        with ex.lease_nowait() as (model, version):  # ...and rollouts lease version 1 meanwhile
             assert version == 1 and holds(model, 1)
         gate.open()
         await ex.wait_applied(HANG_GUARD)
@@ -280,29 +286,36 @@ async def test_superseded_weights_are_freed_off_the_event_loop(method, tmp_path)
 
 # ------------------------------------------------------------------ 6. no slow imports on the loop
 
-def test_the_first_attach_imports_nothing_heavy_on_the_event_loop_thread():
+def test_the_first_attaches_import_nothing_heavy_on_the_event_loop_thread():
+    """numba and torch.distributed load in worker threads, and ``torch.distributed.tensor``
+    (DTensor: ~0.7 s to import) not at all while no tensor can be one."""
     code = textwrap.dedent('''
         import sys, threading, anyio, torch
         from aiosync.coordination import Synchronizer
-        loop_imports = []
+        on_loop, anywhere = [], []
         watching = [False]
         def hook(event, args):
-            if event == "import" and watching[0] and threading.current_thread() is threading.main_thread():
-                loop_imports.append(args[0])
+            if event == "import" and watching[0]:
+                anywhere.append(args[0])
+                if threading.current_thread() is threading.main_thread():
+                    on_loop.append(args[0])
         sys.addaudithook(hook)
         async def main():
+            watching[0] = True
             async with Synchronizer(None, {"type": "patch"}) as sync:
                 await sync.attach_trainer({"w": torch.zeros(10)})
-                watching[0] = True
                 await sync.attach_explorer("e0", {"w": torch.zeros(10)})
-                watching[0] = False
+            watching[0] = False
         anyio.run(main)
-        heavy = sorted({m for m in loop_imports if m.startswith(("torch.distributed", "numba", "llvmlite"))})
+        heavy = sorted({m for m in on_loop if m.startswith(("torch.distributed", "numba", "llvmlite"))})
         print("HEAVY", heavy)
+        print("DTENSOR", sorted({m for m in anywhere if m.startswith("torch.distributed.tensor")}))
+        print("NUMBA", "numba" in anywhere)
     ''')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "HEAVY []" in out.stdout, out.stdout
+    assert "HEAVY []" in out.stdout and "DTENSOR []" in out.stdout, out.stdout
+    assert "NUMBA True" in out.stdout, out.stdout  # the hook sees imports in worker threads too
 
 
 # ------------------------------------------------------------------ 7. timeouts that say what to change

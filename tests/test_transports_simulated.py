@@ -23,6 +23,8 @@ from aiosync.transports.simulated import SimulatedTransport, SimulatedTransportS
 
 from helpers import HANG_GUARD
 
+pytestmark = pytest.mark.both_loops  # delivery times, timeouts and reordering depend on the loop's clock
+
 
 # ------------------------------------------------------------------ the link
 
@@ -211,6 +213,21 @@ async def test_inject_without_a_profile_makes_one_and_rates_stay_zero():
     await a.send("x")
     await a.send("y")  # the forced fault was used up: no second duplicate
     assert [await b.recv() for _ in range(3)] == ["x", "x", "y"]
+
+
+async def test_faults_strike_only_the_messages_faults_where_selects():
+    a, b = simulated_pair(timeout=HANG_GUARD, faults=FaultProfile(duplicate=1.0))
+    a.faults_where = lambda msg: msg.startswith("data")
+    a.fail_next()  # a forced failure waits for a selected message too
+    await a.send("control 1")  # neither duplicated nor failed
+    with pytest.raises(TransportError):
+        await a.send("data 1")
+    a.inject("drop")
+    await a.send("control 2")
+    await a.send("data 2")  # dropped
+    await a.send("data 3")  # duplicated (the rate)
+    assert [await b.recv() for _ in range(4)] == ["control 1", "control 2", "data 3", "data 3"]
+    assert a.statistics().faults["drop"] == 1 and a.statistics().failures_injected == 1
 
 
 async def test_delays_keep_fifo_order_and_drops_time_out():

@@ -17,11 +17,13 @@ _WARM: set[int] = set()
 
 
 def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
-    """Compile (or load from numba's on-disk cache) the kernels for these element widths.
+    """Compile (or load from numba's on-disk cache) the kernels for these element widths
+    (bytes per element; the default covers every dtype). Public as ``aiosync.warm_up()``.
 
-    numba holds the GIL while it compiles, so this belongs in set-up (``init_sender`` /
-    ``init_receiver`` call it in a worker thread), not in the first sync, where it would
-    stall the event loop.
+    aiosync calls it in a worker thread when a syncer pair is set up (``init_sender`` /
+    ``init_receiver``, staging), never in a sync. numba's and LLVM's initialisation holds the
+    GIL even there (about 0.1 s of loop stall once per process); call this before starting the
+    event loop to keep that off it too. Idempotent and cheap once done.
     """
     todo = [w for w in widths if w not in _WARM]
     if not todo:
