@@ -80,8 +80,6 @@ async def trainer(handle, policy: Policy, queue: asyncio.Queue, steps: int, done
             if fresh.kept:
                 await asyncio.to_thread(train_step, policy, opt, fresh.kept, fresh.weights)
             await handle.step_done()  # publishes the new version (every sync_interval steps)
-            if handle.step == 1 and handle.sync.loop_lag is not None:
-                handle.sync.loop_lag.reset()  # measure lag after the first sync's one-time JIT warm-up
         await handle.stop()
     finally:
         done.set()

@@ -7,6 +7,9 @@ a torn (or wrong) read is detectable.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import anyio
@@ -137,3 +140,14 @@ async def settle(n: int = 20) -> None:
     """Let every ready task run ``n`` rounds (no time passes)."""
     for _ in range(n):
         await anyio.sleep(0)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a module (its ``__main__`` block does not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,10 +6,8 @@ No timed assertions: the runs are short by step count; ``--max-seconds`` is only
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,18 +17,11 @@ pytest.importorskip("gymnasium")
 from aiosync.cli.demo import JSON_KEYS, DemoConfig, demo  # noqa: E402
 from aiosync.cli.main import main as cli_main  # noqa: E402
 from aiosync.runners.ppo import ActorCritic, compute_gae  # noqa: E402
+from helpers import load_example  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 INT_KEYS = {"steps", "syncs", "coalesced", "max_staleness", "bytes_synced"}
 FLOAT_KEYS = {"final_mean_return", "mean_staleness", "seconds"}
-
-
-def _load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -123,7 +114,7 @@ def test_actor_critic_act_matches_evaluate():
 
 
 def test_async_ppo_example_runs(torch_threads, capsys):
-    example = _load_example("async_ppo")
+    example = load_example("async_ppo")
     mean_return = asyncio.run(example.main(6, 0))
     assert isinstance(mean_return, float)
     assert "final mean return" in capsys.readouterr().out
@@ -131,7 +122,7 @@ def test_async_ppo_example_runs(torch_threads, capsys):
 
 def test_hf_patch_sync_example_bit_exact_and_bytes(torch_threads):
     pytest.importorskip("transformers")
-    example = _load_example("hf_patch_sync")
+    example = load_example("hf_patch_sync")
     report = example.main(["--steps", "3", "--vocab", "128", "--hidden", "32", "--layers", "1", "--batch", "2",
                            "--quiet"])
     assert report["bit_exact"] is True

@@ -1,0 +1,30 @@
+"""The examples run as documented (short settings): an example that no longer matches the API
+fails here, not in a user's hands. ``async_ppo`` and ``hf_patch_sync`` are in test_demo.py."""
+
+from __future__ import annotations
+
+import argparse
+
+from helpers import load_example
+
+async def test_quickstart_ends_bit_identical(capsys):
+    await load_example("quickstart").main()  # raises SystemExit(1) if not bit-identical
+    out = capsys.readouterr().out
+    assert "version 5:" in out and "bit-identical to the trainer (cast to bf16): True" in out
+
+async def test_custom_runner_drains_every_explorer_to_the_final_version():
+    example = load_example("custom_runner")
+    for latency in (0.0, 0.005):  # in-process, and over a simulated link
+        result = await example.main(6, 2, latency)  # asserts bit-exact explorers itself
+        assert result["final_version"] == 6
+        assert result["explorer_versions"] == {"explorer0": 6, "explorer1": 6}
+        assert result["delivered"] >= 2 and result["requests"] >= result["delivered"]
+
+async def test_lease_pauses_repairs_once_and_ends_bit_exact():
+    example = load_example("lease_pauses")
+    args = argparse.Namespace(elements=200_000, bandwidth=20e6, ack_bound=2.0, json=None)
+    report = await example.run(args)
+    assert report["bit_exact"] and report["final_version"] == 7
+    assert report["patches"]["repairs"] == 0 and report["repair"]["repairs"] == 1
+    assert report["patches"]["leases"] > 0 and report["repair"]["leases"] > 0
+    assert set(report["repair"]) >= {"lease_wait_max_ms", "exclusive_write_max_ms", "seconds"}
