@@ -770,8 +770,11 @@ def test_count_escapes_matches_a_plain_count_at_every_nibble_alignment():
 
 
 @pytest.mark.parametrize("dt", [np.uint8, np.uint16, np.uint32, np.uint64])
-def test_apply_from_gap_stream_equals_apply_from_positions(dt):
-    """The receiver's two numba writers (positions decoded first, or read from the gaps) agree."""
+def test_the_flat_writer_decodes_what_the_encoder_wrote_and_its_journal_undoes_it(dt):
+    """The receiver's numba writer reads positions straight from the gap stream, writes the
+    coded values, journals and hashes what it overwrote; restoring the journal undoes it."""
+    from aiosync.syncers import kernels_write
+
     rng = np.random.default_rng(2)
     n = 5000
     old = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
@@ -785,10 +788,13 @@ def test_apply_from_gap_stream_equals_apply_from_positions(dt):
     g, _, e = kernels.encode_flat(pos, new[pos], old[pos], pos.size, -1, gaps, nibs, exc)
     packed = np.zeros((pos.size + 1) // 2, np.uint8)
     kernels.pack_nibbles(nibs, packed)
-    a, b = old.copy(), old.copy()
-    kernels.apply_flat(a, pos, packed, 0, exc[:, :e], 0, pos.size)
-    kernels.apply_flat_gaps(b, gaps[:g], 0, pos.size, packed, 0, exc[:, :e], 0)
-    assert np.array_equal(a, new) and np.array_equal(b, new)
+    target, journal = old.copy(), np.empty(pos.size, dt)
+    h = kernels_write.apply_flat_gaps_logged(target, gaps[:g], 0, pos.size, packed, 0, exc[:, :e], 0, journal)
+    assert np.array_equal(target, new) and np.array_equal(journal, old[pos])
+    signed = old[pos].view(np.dtype(f"i{np.dtype(dt).itemsize}"))
+    assert int(h) == drift_hash(torch.from_numpy(pos), torch.from_numpy(signed)) & (2**64 - 1)
+    kernels_write.restore_gaps(target, gaps[:g], 0, pos.size, journal)
+    assert np.array_equal(target, old)
     check = np.empty(pos.size, np.int64)
     assert kernels.decode_gaps(gaps, 0, g, pos.size, n, check, True) == g and np.array_equal(check, pos)
     assert kernels.decode_gaps(gaps, 0, g, pos.size, n - 1, check, False) == -3  # last position outside

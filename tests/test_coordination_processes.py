@@ -19,34 +19,25 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from processes import JOIN_BOUND, join, results, start
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
 ]
 
-JOIN_BOUND = 120  # seconds: only catches hangs
 OP_TIMEOUT = 20.0  # seconds any wait on a peer may take inside the workers
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weights(v: int, n: int = 24) -> dict[str, torch.Tensor]:
@@ -78,58 +69,6 @@ def digest(state) -> str:
 
 
 # ------------------------------------------------------------------ process plumbing
-
-def _entry(rank: int, world: int, port: int, out: str, scenario: str, extra: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), NUMBA_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    path = Path(out) / f"rank{rank}.json"
-    try:
-        result = SCENARIOS[scenario](rank, world, Path(out), extra)
-    except BaseException:  # reported to the test process, which fails with it
-        path.write_text(json.dumps({"error": traceback.format_exc()}))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    path.write_text(json.dumps(result if result is not None else {}))
-
-
-def _start(scenario: str, world: int, out: Path, extra: dict | None = None, ranks=None) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = {}
-    for rank in (range(world) if ranks is None else ranks):
-        p = ctx.Process(target=_entry, args=(rank, world, port, str(out), scenario, extra or {}), daemon=True)
-        p.start()
-        procs[rank] = p
-    return procs
-
-
-def _join(procs: dict[int, Any], bound: float = JOIN_BOUND) -> None:
-    deadline = time.monotonic() + bound
-    try:
-        for p in procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in procs.items() if p.is_alive()]
-        assert not hung, f"ranks {hung} did not finish within {bound}s"
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _results(out: Path, ranks) -> dict[int, dict]:
-    results = {}
-    for r in ranks:
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result"
-        data = json.loads(path.read_text())
-        assert "error" not in data, f"rank {r} failed:\n{data['error']}"
-        results[r] = data
-    return results
-
 
 def _wait_for_file(path: Path, bound: float = JOIN_BOUND) -> None:
     deadline = time.monotonic() + bound
@@ -402,9 +341,9 @@ SCENARIOS = {"fsdp": _scenario_fsdp, "checkpoint": _scenario_checkpoint,
 
 def test_fsdp2_trainer_to_two_explorers_bit_exact(tmp_path):
     steps = 5
-    procs = _start("fsdp", 4, tmp_path, {"steps": steps})
-    _join(procs)
-    r = _results(tmp_path, range(4))
+    procs = start(__name__, "fsdp", 4, tmp_path, {"steps": steps})
+    join(procs)
+    r = results(tmp_path, range(4))
     assert r[0]["final"] == steps and r[0]["versions"] == [steps, steps]
     assert r[0]["bit_exact"] == [True, True]
     assert r[2]["torn"] == 0 and r[3]["torn"] == 0
@@ -413,9 +352,9 @@ def test_fsdp2_trainer_to_two_explorers_bit_exact(tmp_path):
 
 def test_checkpoint_reader_never_sees_a_half_written_file(tmp_path):
     versions = 12
-    procs = _start("checkpoint", 2, tmp_path, {"versions": versions, "rows": 200_000})  # ~13 MB per file
-    _join(procs)
-    r = _results(tmp_path, [0, 1])
+    procs = start(__name__, "checkpoint", 2, tmp_path, {"versions": versions, "rows": 200_000})  # ~13 MB per file
+    join(procs)
+    r = results(tmp_path, [0, 1])
     assert r[1]["bad"] == []  # every file the reader loaded was whole and consistent
     assert r[1]["seen"][-1] == versions and len(r[1]["seen"]) >= 2
     assert r[1]["held"] == versions and r[1]["holds"]
@@ -424,9 +363,9 @@ def test_checkpoint_reader_never_sees_a_half_written_file(tmp_path):
 
 def test_late_joining_explorer_is_bootstrapped_then_patched(tmp_path):
     steps, join_at = 10, 5
-    procs = _start("late_joiner", 3, tmp_path, {"steps": steps, "join_at": join_at})
-    _join(procs)
-    r = _results(tmp_path, range(3))[0]
+    procs = start(__name__, "late_joiner", 3, tmp_path, {"steps": steps, "join_at": join_at})
+    join(procs)
+    r = results(tmp_path, range(3))[0]
     early, late = r["reports"]["1"], r["reports"]["2"]
     assert early["final"] == late["final"] == steps and early["holds"] and late["holds"]
     assert late["applied"][0] >= join_at  # bootstrapped at the version current when it joined
@@ -436,14 +375,14 @@ def test_late_joining_explorer_is_bootstrapped_then_patched(tmp_path):
 
 
 def test_killed_explorer_is_reported_and_the_trainer_serves_the_other(tmp_path):
-    procs = _start("killed", 3, tmp_path)
+    procs = start(__name__, "killed", 3, tmp_path)
     try:
         _wait_for_file(tmp_path / "kill-me")
         os.kill(procs[2].pid, signal.SIGKILL)
     finally:
-        _join({r: p for r, p in procs.items() if r != 2})
-        _join({2: procs[2]}, bound=5)
-    r = _results(tmp_path, [0, 1])[0]
+        join({r: p for r, p in procs.items() if r != 2})
+        join({2: procs[2]}, bound=5)
+    r = results(tmp_path, [0, 1])[0]
     assert r["lost"] is not None and r["status"] == "STOPPED"  # the trainer was told, and went on
     assert r["lost"].startswith(("TransportError", "EndOfStream")), r["lost"]
     assert r["last_error"] and "rank 2" in r["last_error"], r["last_error"]

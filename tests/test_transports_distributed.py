@@ -13,9 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,6 @@ import anyio
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from aiosync.errors import ConfigError, PayloadError, TransportError
 from aiosync.messages import message, type_name
@@ -31,8 +27,8 @@ from aiosync.transports.distributed import (MAGIC, MAX_HEADER_BYTES, Distributed
                                             WeightSyncGroup, decode_message, encode_message, register_message)
 from aiosync.transports.distributed.group import _nccl_options
 from aiosync.transports.distributed.wire import PREFIX_BYTES, encode_cached
+from processes import JOIN_BOUND, join, results, start
 
-JOIN_BOUND = 120  # seconds: only catches hangs
 ROGUE_TAG = 0x0BAD
 
 
@@ -237,64 +233,6 @@ def test_comm_options_reach_the_nccl_communicator_config(monkeypatch):
 
 # ------------------------------------------------------------------ process plumbing
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out: str, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), NUMBA_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    path = Path(out) / f"rank{rank}.json"
-    try:
-        result = SCENARIOS[scenario](rank, world, Path(out))
-    except BaseException:  # reported to the test process, which fails with it
-        path.write_text(json.dumps({"error": traceback.format_exc()}))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    path.write_text(json.dumps(result if result is not None else {}))
-
-
-def _start(scenario: str, world: int, out: Path) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = {}
-    for rank in range(world):
-        p = ctx.Process(target=_entry, args=(rank, world, port, str(out), scenario), daemon=True)
-        p.start()
-        procs[rank] = p
-    return procs
-
-
-def _join(procs: dict[int, Any], bound: float = JOIN_BOUND) -> None:
-    deadline = time.monotonic() + bound
-    try:
-        for p in procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in procs.items() if p.is_alive()]
-        assert not hung, f"ranks {hung} did not finish within {bound}s"
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _results(out: Path, ranks) -> dict[int, dict]:
-    results = {}
-    for r in ranks:
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result"
-        data = json.loads(path.read_text())
-        assert "error" not in data, f"rank {r} failed:\n{data['error']}"
-        results[r] = data
-    return results
-
-
 async def _wait_for_file(path: Path, bound: float = JOIN_BOUND) -> None:
     """Another process's signal: the file appears (polled; only the bound is a time)."""
     with anyio.fail_after(bound):
@@ -319,7 +257,7 @@ def _ring_options() -> _CommOptions:
     return _CommOptions()
 
 
-def _scenario_transport(rank: int, world: int, out: Path) -> dict:
+def _scenario_transport(rank: int, world: int, out: Path, extra: dict) -> dict:
     from aiosync.errors import PeerTimeoutError
 
     group = WeightSyncGroup.init(backend="gloo", timeout=2.0, comm_options=_ring_options())
@@ -421,9 +359,9 @@ SCENARIOS = {"transport": _scenario_transport}
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_transport_payloads_broadcast_timeouts_bad_frames_and_a_dead_peer(tmp_path):
-    procs = _start("transport", 3, tmp_path)
-    _join(procs)
-    r = _results(tmp_path, [0, 1])
+    procs = start(__name__, "transport", 3, tmp_path)
+    join(procs)
+    r = results(tmp_path, [0, 1])
     assert r[1]["ok"] and r[0]["echo"] == {"ok": True}
     assert r[0]["bcast"] == r[1]["bcast"] == [7.0, 7.0, 7.0]
     # the oversized header of a broadcast is refused by the shared prefix validation

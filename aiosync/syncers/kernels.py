@@ -313,72 +313,43 @@ def decode_gaps(gaps, start, end, count, numel, out_pos, store=True):  # pragma:
     return g - start
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def apply_flat(target, pos, packed, nib_off, exc, exc_off, count):  # pragma: no cover - compiled
-    """Write ``target[pos[i]] = unzigzag(old, code_i)`` for ``count`` validated positions.
-
-    Change ``i``'s nibble is nibble ``nib_off + i`` of ``packed``; escaped codes are read in
-    order from ``exc[:, exc_off:]``.
-    """
-    width = _width(target)
-    bits = 8 * width
-    e = exc_off
-    for i in range(count):
-        c = nib_off + i
-        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
-        if z == np.uint64(ESCAPE):
-            z = np.uint64(0)
-            for b in range(width):
-                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
-            e += 1
-        j = pos[i]
-        old = target[j]
-        if width == 8:
-            target[j] = old ^ z
-        else:
-            mod = np.int64(1) << bits
-            zi = np.int64(z)
-            sd = (zi >> 1) ^ -(zi & 1)  # zig-zag decode, branch-free
-            target[j] = (np.int64(old) + sd) & (mod - 1)
-    return count
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def apply_flat_gaps(target, gaps, start, count, packed, nib_off, exc, exc_off):  # pragma: no cover - compiled
-    """:func:`apply_flat` reading positions straight from the LEB128 gap stream at
-    ``gaps[start:]``, which :func:`decode_gaps` has validated: no position array is built."""
-    width = _width(target)
-    bits = 8 * width
-    e = exc_off
-    g = start
-    prev = np.int64(-1)
-    for i in range(count):
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def get_varint(gaps, g):  # pragma: no cover - compiled
+    """Read the LEB128 varint at ``gaps[g]`` of a stream :func:`decode_gaps` validated;
+    returns ``(value, index after it)``."""
+    byte = np.uint64(gaps[g])
+    g += 1
+    value = byte & np.uint64(0x7F)
+    shift = np.uint64(7)
+    while byte >= np.uint64(0x80):
         byte = np.uint64(gaps[g])
         g += 1
-        value = byte & np.uint64(0x7F)
-        shift = np.uint64(7)
-        while byte >= np.uint64(0x80):
-            byte = np.uint64(gaps[g])
-            g += 1
-            value |= (byte & np.uint64(0x7F)) << shift
-            shift += np.uint64(7)
-        j = prev + 1 + np.int64(value)
-        prev = j
-        c = nib_off + i
-        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
-        if z == np.uint64(ESCAPE):
-            z = np.uint64(0)
-            for b in range(width):
-                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
-            e += 1
-        old = target[j]
-        if width == 8:
-            target[j] = old ^ z
-        else:
-            zi = np.int64(z)
-            sd = (zi >> 1) ^ -(zi & 1)
-            target[j] = (np.int64(old) + sd) & ((np.int64(1) << bits) - 1)
-    return count
+        value |= (byte & np.uint64(0x7F)) << shift
+        shift += np.uint64(7)
+    return value, g
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def get_value(packed, c, exc, e, width):  # pragma: no cover - compiled
+    """The code of change ``c``: nibble ``c`` of ``packed``, or, when it is ESCAPE, exception
+    ``exc[:, e]``. Returns ``(code, index of the next exception)``."""
+    z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
+    if z == np.uint64(ESCAPE):
+        z = np.uint64(0)
+        for b in range(width):
+            z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
+        e += 1
+    return z, e
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def unzigzag(old, z, width):  # pragma: no cover - compiled
+    """The inverse of :func:`_zigzag`: the value coded as ``z`` against ``old`` (as uint64)."""
+    if width == 8:
+        return np.uint64(old) ^ z
+    zi = np.int64(z)
+    sd = (zi >> 1) ^ -(zi & 1)  # zig-zag decode, branch-free
+    return np.uint64((np.int64(old) + sd) & ((np.int64(1) << (8 * width)) - 1))
 
 
 def fused_cast_matches_torch() -> bool:

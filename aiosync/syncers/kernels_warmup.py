@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels_write as kw
-from .kernels import (apply_flat, apply_flat_gaps, count_escapes, decode_gaps, diff_encode_flat, diff_update,
-                      encode_flat, pack_nibbles)
+from .kernels import count_escapes, decode_gaps, diff_encode_flat, diff_update, encode_flat, pack_nibbles
 
 _WARM: set[int] = set()
 
@@ -47,8 +46,6 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         out = np.empty(k, np.int64)
         decode_gaps(gaps, 0, g, k, n, out, True)
         decode_gaps(gaps, 0, g, k, n, out, False)
-        apply_flat(np.zeros(n, dt), out, packed, 0, exc, 0, k)
-        apply_flat_gaps(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0)
         old = np.empty(k, dt)
         kw.apply_flat_gaps_logged(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0, old)
         kw.restore_gaps(np.zeros(n, dt), gaps, 0, k, old)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .kernels import ESCAPE, GROUP_BLOCKS, _flatten, _width, mix64
+from .kernels import GROUP_BLOCKS, _flatten, _width, get_value, get_varint, mix64, unzigzag
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -54,43 +54,26 @@ def scatter(target, pos, values, out_old):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def apply_flat_gaps_logged(target, gaps, start, count, packed, nib_off, exc, exc_off, out_old):  # pragma: no cover
-    """:func:`apply_flat_gaps` that also keeps every overwritten old value in ``out_old`` (the
-    write's journal, for :func:`restore_gaps`) and returns their drift hash: the sum of
-    :func:`mix64` over the changes, modulo 2**64. One pass over the changed positions."""
+    """The flat patch writer. Writes ``count`` changes: positions from the LEB128 gap stream at
+    ``gaps[start:]`` (validated by :func:`~aiosync.syncers.kernels.decode_gaps`), change
+    ``i``'s code from nibble ``nib_off + i`` of ``packed`` or, escaped, from ``exc[:, exc_off:]``
+    in order. Keeps every overwritten value in ``out_old`` (the write's journal, for
+    :func:`restore_gaps`) and returns their drift hash: the sum of :func:`mix64` over the
+    changes, modulo 2**64. One pass over the changed positions."""
     width = _width(target)
-    bits = 8 * width
     e = exc_off
     g = start
     prev = np.int64(-1)
     h = np.uint64(0)
     for i in range(count):
-        byte = np.uint64(gaps[g])
-        g += 1
-        value = byte & np.uint64(0x7F)
-        shift = np.uint64(7)
-        while byte >= np.uint64(0x80):
-            byte = np.uint64(gaps[g])
-            g += 1
-            value |= (byte & np.uint64(0x7F)) << shift
-            shift += np.uint64(7)
-        j = prev + 1 + np.int64(value)
+        gap, g = get_varint(gaps, g)
+        j = prev + 1 + np.int64(gap)
         prev = j
-        c = nib_off + i
-        z = np.uint64((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15))
-        if z == np.uint64(ESCAPE):
-            z = np.uint64(0)
-            for b in range(width):
-                z |= np.uint64(exc[b, e]) << np.uint64(8 * b)
-            e += 1
+        z, e = get_value(packed, nib_off + i, exc, e, width)
         old = target[j]
         out_old[i] = old
         h += mix64(j, old)
-        if width == 8:
-            target[j] = old ^ z
-        else:
-            zi = np.int64(z)
-            sd = (zi >> 1) ^ -(zi & 1)
-            target[j] = (np.int64(old) + sd) & ((np.int64(1) << bits) - 1)
+        target[j] = unzigzag(old, z, width)
     return h
 
 
@@ -101,15 +84,7 @@ def restore_gaps(target, gaps, start, count, old):  # pragma: no cover - compile
     g = start
     prev = np.int64(-1)
     for i in range(count):
-        byte = np.uint64(gaps[g])
-        g += 1
-        value = byte & np.uint64(0x7F)
-        shift = np.uint64(7)
-        while byte >= np.uint64(0x80):
-            byte = np.uint64(gaps[g])
-            g += 1
-            value |= (byte & np.uint64(0x7F)) << shift
-            shift += np.uint64(7)
-        j = prev + 1 + np.int64(value)
+        gap, g = get_varint(gaps, g)
+        j = prev + 1 + np.int64(gap)
         prev = j
         target[j] = old[i]
