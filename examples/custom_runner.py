@@ -54,12 +54,21 @@ def train_step(policy: Policy, opt: torch.optim.Optimizer, batch: list[dict], we
     return loss.item()
 
 
+@torch.no_grad()
+def act(model: nn.Module, obs: torch.Tensor) -> torch.Tensor:
+    """The rollout's forward pass; runs in a worker thread, off the event loop.
+
+    ``no_grad`` belongs here, in the thread that runs the model: grad mode is per thread, and
+    a ``with torch.no_grad():`` around an ``await`` would switch it for every other coroutine
+    on the loop (and can leave it off when two such blocks interleave)."""
+    return model(obs)
+
+
 async def explorer(handle, queue: asyncio.Queue, done: asyncio.Event) -> None:
     while not done.is_set():
         async with handle.lease() as (model, version):  # weights of exactly one version
             obs = torch.randn(16, 8)
-            with torch.no_grad():
-                logits = await asyncio.to_thread(model, obs)
+            logits = await asyncio.to_thread(act, model, obs)
             await asyncio.sleep(0.005)  # the environment's part of the rollout
         trajectory = {"obs": obs, "actions": logits.argmax(-1), "advantage": torch.randn(16),
                       "version": version}  # every trajectory carries the version that produced it

@@ -42,3 +42,17 @@ def pytest_asyncio_loop_factories(config, item):
         return factories
     return {"asyncio": factories.get("asyncio", asyncio.new_event_loop)}
 
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_left_as_found():
+    """A test (or the code it drives) must not leave torch's grad mode switched off for the
+    tests after it: a ``with torch.no_grad():`` around an ``await`` does, when two of them
+    interleave on one loop thread."""
+    import torch
+
+    before = torch.is_grad_enabled()
+    yield
+    after = torch.is_grad_enabled()
+    torch.set_grad_enabled(before)
+    assert after == before, "grad mode was left switched off: keep no_grad inside the thread that runs the model"

@@ -117,9 +117,10 @@ _PHASE_HINTS = {
                      "raise synchronizer.delivery_timeout for a slow link",
     "sending": "the transport did not take the payload (a slow or stalled link); raise "
                "synchronizer.delivery_timeout for a slow link",
-    "waiting for the explorer's answer": "the explorer did not confirm the apply: its write waits for rollouts "
-                                         "to release the model, so hold leases for shorter than delivery_timeout "
-                                         "(or use segmented leases), or raise synchronizer.delivery_timeout",
+    "waiting for the explorer's answer": "the explorer did not confirm the apply: either its answer was lost "
+                                         "(the next delivery repairs it) or its write waited for rollouts to "
+                                         "release the model; hold leases for shorter than delivery_timeout, or "
+                                         "raise synchronizer.delivery_timeout",
 }
 
 

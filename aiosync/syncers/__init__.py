@@ -13,7 +13,7 @@
 * :mod:`.faults` — receivers whose writes fail on purpose (simulation, tests)
 
 Importing this package registers both implementations for ``WeightSyncer.create``. It imports
-nothing of :mod:`aiosync.transports` or :mod:`aiosync.coordination`.
+nothing of the transports or of the coordination layer.
 """
 
 from .base import StagedWrite, SyncStatistics, WeightSyncer

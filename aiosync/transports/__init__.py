@@ -9,7 +9,7 @@
   imported on first use of one of its names, so ``import aiosync.transports`` stays light
 
 The checkpoint directory (T3) is not a transport: :mod:`aiosync.checkpoints`. Transports know
-no protocol above them: nothing here imports :mod:`aiosync.coordination` or
+no protocol above them: nothing here imports the coordination layer or
 :mod:`aiosync.syncers`.
 """
 

@@ -14,7 +14,7 @@ rides on and :meth:`WeightSyncGroup.broadcast` fans one payload out to every ran
 
 Only *registered* dataclasses travel (:func:`aiosync.messages.message`; ``register_message``
 is the same decorator under the name earlier releases exported). This package knows no
-protocol above it: it imports nothing from :mod:`aiosync.coordination` or :mod:`aiosync.syncers`.
+protocol above it: it imports nothing from the coordination layer or the syncers.
 """
 
 from ...messages import register_message
