@@ -31,6 +31,7 @@ _EXPORTS = {
     "ExplorerSession": "aiosync.coordination", "CheckpointFollower": "aiosync.coordination",
     "SyncMethod": "aiosync.coordination", "SyncStyle": "aiosync.coordination",
     "RunningStatus": "aiosync.coordination", "PolicySlot": "aiosync.coordination", "Lease": "aiosync.coordination",
+    "Rollout": "aiosync.coordination",
     "LatestSlot": "aiosync.coordination", "StalenessFilter": "aiosync.coordination",
     "FilterResult": "aiosync.coordination", "LoopLagMonitor": "aiosync.coordination",
     "TrainerLoop": "aiosync.runners", "ExplorerLoop": "aiosync.runners",

@@ -244,7 +244,7 @@ async def test_explorer_refused_for_a_taken_name_or_a_dead_synchronizer():
 
 async def test_fan_out_builds_each_version_once_for_explorers_at_the_same_version():
     state = weights(0)
-    async with Synchronizer(dict(style="fixed"), PATCH) as sync:
+    async with Synchronizer(dict(style="trainer_driven"), PATCH) as sync:
         trainer = await sync.attach_trainer(state)
         explorers = [await sync.attach_explorer(f"e{i}", rollout_model()) for i in range(3)]
         for v in range(1, 5):
@@ -261,7 +261,7 @@ async def test_fan_out_builds_each_version_once_for_explorers_at_the_same_versio
 
 async def test_without_fan_out_every_explorer_builds_its_own():
     state = weights(0)
-    async with Synchronizer(dict(style="fixed"), PATCH, fan_out=False) as sync:
+    async with Synchronizer(dict(style="trainer_driven"), PATCH, fan_out=False) as sync:
         trainer = await sync.attach_trainer(state)
         explorers = [await sync.attach_explorer(f"e{i}", rollout_model()) for i in range(2)]
         train_to(state, 1)
@@ -274,7 +274,7 @@ async def test_without_fan_out_every_explorer_builds_its_own():
 
 async def test_a_lagging_explorer_gets_the_chain_and_one_too_far_behind_is_rebootstrapped():
     state = weights(0)
-    async with Synchronizer(dict(style="fixed"), PATCH) as sync:
+    async with Synchronizer(dict(style="trainer_driven"), PATCH) as sync:
         sync.fanout.history = 3
         trainer = await sync.attach_trainer(state)
         fast = await sync.attach_explorer("fast", rollout_model())
@@ -299,7 +299,7 @@ async def test_a_lagging_explorer_gets_the_chain_and_one_too_far_behind_is_reboo
 
 async def test_bucket_fan_out_sends_the_newest_packet_to_any_version():
     state = weights(0)
-    async with Synchronizer(dict(style="fixed"), BUCKET) as sync:
+    async with Synchronizer(dict(style="trainer_driven"), BUCKET) as sync:
         trainer = await sync.attach_trainer(state)
         a = await sync.attach_explorer("a", rollout_model())
         b = await sync.attach_explorer("b", rollout_model())

@@ -69,7 +69,12 @@ def test_fixed_schedule_matches_the_seed_table():
 
 
 def test_driven_styles_schedules():
-    assert [s for s in range(1, 8) if explorer_step_syncs(SyncStyle.EXPLORER_DRIVEN, s, 3, 0)] == [3, 6]
+    # EXPLORER_DRIVEN counts from the last successful sync: every 3 steps while they succeed...
+    assert [s for s in range(1, 8) if explorer_step_syncs(SyncStyle.EXPLORER_DRIVEN, s, 3, 0)] == [3, 4, 5, 6, 7]
+    assert [s for s in range(1, 8) if explorer_step_syncs(SyncStyle.EXPLORER_DRIVEN, s, 3, 0, 3 * ((s - 1) // 3))] \
+        == [3, 6]
+    # ... and at every step after one that did not (the last success stays at step 3)
+    assert [s for s in range(4, 10) if explorer_step_syncs(SyncStyle.EXPLORER_DRIVEN, s, 3, 0, 3)] == [6, 7, 8, 9]
     assert not any(trainer_step_syncs(SyncStyle.EXPLORER_DRIVEN, t, 1) for t in range(1, 10))
     assert [t for t in range(1, 8) if trainer_step_syncs(SyncStyle.TRAINER_DRIVEN, t, 2)] == [2, 4, 6]
     assert not any(explorer_step_syncs(SyncStyle.TRAINER_DRIVEN, s, 1, 0) for s in range(1, 10))

@@ -173,7 +173,9 @@ async def test_nccl_handshake_both_sides_require_sync_then_run():
 
 # ------------------------------------------------------------------ EXPLORER_DRIVEN, S5
 
-async def test_explorer_driven_times_out_then_retries_next_cycle():
+async def test_explorer_driven_times_out_then_retries_at_its_next_step():
+    """S3: the explorer asks once ``sync_interval`` steps passed since its last *successful*
+    sync, so an ask that timed out is repeated at the very next step, not a cycle later."""
     state = trainer_state()
     cfg = dict(style="explorer_driven", sync_interval=2, sync_timeout=0.1)
     async with Synchronizer(cfg, PATCH) as sync:
@@ -181,11 +183,11 @@ async def test_explorer_driven_times_out_then_retries_next_cycle():
         ex = await sync.attach_explorer("e0", rollout_model())
         train_to(state, 1)
         trainer.step = 1  # trained, but the trainer does not check for requests
-        assert await ex.step_done() == 0  # step 1: no request
+        assert await ex.step_done() == 0 and ex.timeouts == 0  # step 1: no request
         assert await ex.step_done() == 0  # step 2: asks, nobody serves, times out, carries on
         assert ex.timeouts == 1 and ex.status is R and ex.state.history[-2:] == [(R, Q), (Q, R)]
         assert not trainer.need_sync() and ex.version == 0 and holds(ex.slot.model, 0)
-        await ex.step_done()  # step 3: no request
+        assert ex.need_sync()  # step 2 did not sync: the next step asks again
         sync.config.sync_timeout = HANG_GUARD  # from here on, only a hang may time out
 
         async def trainer_check():
@@ -196,8 +198,13 @@ async def test_explorer_driven_times_out_then_retries_next_cycle():
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer_check)
-            assert await ex.step_done() == 1  # step 4: asks again and is served
+            assert await ex.step_done() == 1  # step 3: asks again at once and is served
         assert ex.timeouts == 1 and holds(ex.slot.model, 1) and trainer.version == 1
+        requests = ex.statistics().requests
+        await ex.step_done()  # step 4: one step since the successful sync at step 3: no request
+        assert ex.statistics().requests == requests and not ex.need_sync()
+        ex.step += 1  # step 5: two steps since it: due again
+        assert ex.need_sync()
 
 
 @pytest.mark.parametrize("method", ["memory", "nccl"])

@@ -10,7 +10,11 @@ Scenarios:
 
 * ``default`` — fast link, FIXED style, blocking syncs after every step.
 * ``slow`` — a transport ten times slower than a train step, patch sync with
-  ``sync_weight_no_wait`` (trainer-driven): coalescing keeps the trainer at full speed.
+  ``sync_weight_no_wait`` (trainer-driven): coalescing keeps the trainer at full speed, and the
+  samples explorers make on old weights are dropped by the staleness filter (``max_staleness``
+  2: ``rollouts_wasted``). ``--max-ahead K`` turns on admission control instead: the trainer
+  trains on what the explorers produce (one usable sample per step, ``--batch``), and explorers
+  start a rollout only within K versions of the trainer, so nothing is wasted.
 * ``faults`` — every kind of fault at once: the links drop, delay, duplicate, reorder,
   corrupt and truncate messages and sometimes hang (the sender's delivery timeout then cancels
   it in the middle of a sync), and the explorers' applies sometimes raise half way. Checksums
@@ -72,6 +76,13 @@ class Scenario:
     delivery_timeout: float = 60.0
     #: run the trainer for this many minutes instead of ``steps`` steps (a soak)
     minutes: float | None = None
+    #: the trainer's staleness filter (``synchronizer.max_staleness``)
+    max_staleness: int | None = None
+    #: admission control (``synchronizer.max_ahead``); implies ``batch`` 1 unless it is set
+    max_ahead: int | None = None
+    #: usable samples the trainer needs per step (it waits for them, at most ``sync_timeout``,
+    #: serving explorers' requests meanwhile); 0: it trains regardless
+    batch: int | None = None
 
 
 # Rates per message; each explorer's link carries ~4 messages per version in each direction.
@@ -82,7 +93,7 @@ SCENARIOS = {
     "default": Scenario("default"),
     # Transport latency = 10 x the train step; patch sync in the background, trainer-driven.
     "slow": Scenario("slow", steps=100, step_time=0.05, explore_time=0.02, latency=0.5, bandwidth=1e8,
-                     jitter=0.01, style="trainer_driven", no_wait=True),
+                     jitter=0.01, style="trainer_driven", no_wait=True, max_staleness=2),
     # Everything that can go wrong, at once; the delivery timeout is short so repairs are quick.
     "faults": Scenario("faults", steps=600, step_time=0.01, explore_time=0.004, latency=0.002, bandwidth=1e9,
                        jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
@@ -181,7 +192,9 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     link = dict(latency=sc.latency, bandwidth=sc.bandwidth, jitter=sc.jitter)
     seeds = iter(range(seed * 1000, seed * 1000 + 2 * 64, 2))
     config = dict(method=sc.method, style=sc.style, sync_interval=sc.sync_interval,
-                  sync_weight_no_wait=sc.no_wait, sync_timeout=sc.sync_timeout, delivery_timeout=sc.delivery_timeout)
+                  sync_weight_no_wait=sc.no_wait, sync_timeout=sc.sync_timeout, delivery_timeout=sc.delivery_timeout,
+                  max_staleness=sc.max_staleness, max_ahead=sc.max_ahead)
+    batch = sc.batch if sc.batch is not None else (1 if sc.max_ahead is not None else 0)
     tmp = None
     if sc.method == "checkpoint":
         tmp = tempfile.TemporaryDirectory(prefix="aiosync-sim-")
@@ -217,7 +230,9 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     step_times: list[float] = []
     first_sync_s = 0.0
     sync_timeouts = 0
+    sample_wait_s = 0.0
     trainer_done = anyio.Event()
+    sampled = [anyio.Event()]  # set when a sample arrives (replaced after each wake-up)
 
     sync = Synchronizer(config, syncer, transport_factory=make_link)
     async with sync:
@@ -239,8 +254,28 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
                 torn += 0 if ok else 1
                 rollouts += 1
                 samples.append({"version": version})  # every sample carries its version (S10)
+                sampled[0].set()
                 await ex.step_done()
             await ex.stop()
+
+        async def take_batch() -> None:
+            """Filter the samples that came in; with ``batch``, wait (at most ``sync_timeout``)
+            until that many usable ones were taken, serving explorers' requests meanwhile as
+            the reference trainer does while it samples."""
+            nonlocal sample_wait_s
+            kept, t0 = 0, time.perf_counter()
+            deadline = time.monotonic() + sc.sync_timeout
+            while True:
+                got, samples[:] = list(samples), []
+                kept += len(trainer.filter_stale(got).kept)
+                if kept >= batch or time.monotonic() >= deadline:
+                    break
+                sampled[0] = anyio.Event()
+                with anyio.move_on_after(sc.step_time):
+                    await sampled[0].wait()
+                if trainer.need_sync():
+                    await trainer.sync_weight()
+            sample_wait_s += time.perf_counter() - t0
 
         async def trainer_loop() -> None:
             nonlocal first_sync_s, sync_timeouts
@@ -261,8 +296,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
                         first_sync_s = step_times[0] - baseline[0]
                         if sync.loop_lag is not None:
                             sync.loop_lag.reset()  # JIT warm-up and the blocking first sync are done
-                    batch, samples[:] = list(samples), []
-                    trainer.filter_stale(batch)
+                    await take_batch()
                 set_faults(False)  # the network heals; the drain on exit must repair every explorer
                 await trainer.stop()
             finally:
@@ -328,6 +362,17 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
         "sync_timeouts": sync_timeouts,
         "minutes": sc.minutes,
         "staleness": metrics["staleness"],
+        "max_staleness_used": metrics["staleness"]["max_used"],
+        "rollouts_wasted": metrics["staleness"]["dropped"],
+        "trainer_batch": batch,
+        "trainer_sample_wait_s": sample_wait_s,
+        "admission": {"max_ahead": sc.max_ahead,
+                      "trainer_waits": trainer.statistics().hold_back_s.count,
+                      "trainer_wait_s": trainer.statistics().hold_back_s.total,
+                      "trainer_timeouts": trainer.statistics().hold_back_timeouts,
+                      "explorer_waits": sum(ex.statistics().admission_wait_s.count for ex in explorers),
+                      "explorer_wait_s": sum(ex.statistics().admission_wait_s.total for ex in explorers),
+                      "explorer_timeouts": sum(ex.statistics().admission_timeouts for ex in explorers)},
         "transport": {"latency_s": sc.latency, "bandwidth_Bps": sc.bandwidth, "jitter_s": sc.jitter},
         "config": metrics["config"],
         "syncer": sc.syncer,
@@ -383,6 +428,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--bandwidth", type=float, default=None, help="bytes per second")
     p.add_argument("--minutes", type=float, default=None,
                    help="run the trainer this many minutes instead of --steps steps (a soak; e.g. with --scenario faults)")
+    p.add_argument("--max-staleness", dest="max_staleness", type=int, default=None,
+                   help="the trainer's staleness filter (versions); dropped samples are rollouts_wasted")
+    p.add_argument("--max-ahead", dest="max_ahead", type=int, default=None,
+                   help="admission control: explorers start a rollout only within this many versions of the trainer "
+                        "(the trainer then trains on what explorers produce, --batch 1)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="usable samples the trainer needs per step (default 0, or 1 with --max-ahead)")
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", default=None, help="write the report here")
@@ -393,7 +445,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
                           method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes)
+                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
+                          max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
@@ -401,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
-            "final_bit_exact", "torn_reads", "rollouts", "trainer_step_ratio", "loop_lag_p99_ms", "loop_lag_max_ms"]
+            "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
+            "loop_lag_p99_ms", "loop_lag_max_ms"]
     if report["faults_injected"] or report["scenario"] == "faults":
         keys += ["faults_injected", "repairs", "failed"]
     width = max(map(len, keys))

@@ -28,7 +28,7 @@ from .follower import CheckpointFollower
 from .metrics import LoopLagMonitor, RunningStat, flatten, log_metrics
 from .protocol import Ack, Packet, Reinit
 from .session import ExplorerSession
-from .slots import LatestSlot, Lease, PolicySlot
+from .slots import LatestSlot, Lease, PolicySlot, Rollout
 from .staleness import FilterResult, StalenessFilter, version_of
 from .states import ALLOWED_TRANSITIONS, RunningStatus, StatusCell, check_transition
 from .styles import SyncMethod, SyncStyle, explorer_step_syncs, trainer_step_syncs
@@ -39,7 +39,7 @@ __all__ = [
     "Synchronizer", "TrainerHandle", "Explorer", "ExplorerHandle", "RemoteExplorer", "ExplorerSession",
     "SynchronizerConfig", "SyncMethod", "SyncStyle", "RunningStatus", "StatusCell", "ALLOWED_TRANSITIONS",
     "check_transition", "trainer_step_syncs", "explorer_step_syncs",
-    "PolicySlot", "Lease", "LatestSlot",
+    "PolicySlot", "Lease", "Rollout", "LatestSlot",
     "StalenessFilter", "FilterResult", "version_of",
     "LoopLagMonitor", "RunningStat", "log_metrics", "flatten",
     "Packet", "Reinit", "Ack", "CheckpointFollower", "FanOut",

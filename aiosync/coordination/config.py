@@ -43,6 +43,13 @@ class SynchronizerConfig:
       dropped (or down-weighted, ``staleness_mode: downweight``); ``null`` keeps everything.
     * ``staleness_mode``: ``drop`` | ``downweight``; ``staleness_decay``: weight factor per
       version beyond ``max_staleness`` when down-weighting.
+    * ``max_ahead``: admission control (throttling). An explorer starts a rollout (a lease) only
+      while the trainer's newest published version is at most this many versions ahead of the
+      weights it holds; otherwise the lease first gets newer weights (it asks, and waits at most
+      ``sync_timeout + delivery_timeout`` for them to land). ``null``: rollouts always start.
+      A sample is then at most ``max_ahead`` plus the versions published during its rollout
+      behind when the trainer uses it: set ``max_ahead`` below ``max_staleness`` by that margin
+      and no rollout is wasted.
     * ``delivery_timeout``: the longest one delivery (build, transfer, apply, including waiting
       for leases to end) may take before the link gives it up and re-bootstraps the explorer.
     * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it).
@@ -59,6 +66,7 @@ class SynchronizerConfig:
     max_staleness: int | None = None
     staleness_mode: str = "drop"
     staleness_decay: float = 0.5
+    max_ahead: int | None = None
     delivery_timeout: float = 600.0
     checkpoint_dir: str | None = None
     liveness_timeout: float = 60.0
@@ -94,6 +102,11 @@ class SynchronizerConfig:
         if self.max_staleness is not None and (not _is_int(self.max_staleness) or self.max_staleness < 0):
             raise ConfigError(
                 f"synchronizer.max_staleness must be null or an integer >= 0 (versions), got {self.max_staleness!r}"
+            )
+        if self.max_ahead is not None and (not _is_int(self.max_ahead) or self.max_ahead < 0):
+            raise ConfigError(
+                f"synchronizer.max_ahead must be null or an integer >= 0 (versions the trainer may be ahead of a "
+                f"rollout's weights when it starts), got {self.max_ahead!r}"
             )
         if self.staleness_mode not in STALENESS_MODES:
             raise ConfigError(

@@ -208,6 +208,11 @@ class DeliveryLine:
                 await self._changed.wait()
         return done()
 
+    async def wait_for(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``done()`` (re-checked at every change of this line), the line closes, or
+        ``timeout``; returns ``done()``."""
+        return await self._wait(done, timeout)
+
     async def wait_served(self, seq: int, timeout: float | None) -> bool:
         """Wait until request ``seq`` was served (in any outcome); False on timeout or close."""
         return await self._wait(lambda: self.served_seq >= seq, timeout)

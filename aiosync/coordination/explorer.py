@@ -32,20 +32,37 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
-from ..errors import ApplyError, EndOfStream, HandshakeError, PeerTimeoutError, StateTransitionError, TransportError
+from ..errors import (ApplyError, EndOfStream, HandshakeError, PeerTimeoutError, StateTransitionError, TransportError,
+                      WouldBlock)
 from ..syncers.factory import SyncerFactory, syncer_factory
 from ..transports.base import Transport
 from .applier import Applier
 from .config import SynchronizerConfig
+from .metrics import RunningStat, Series
 from .mux import Mux
 from .protocol import (Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Stopped,
                        SyncRequest, Welcome)
-from .slots import Lease, PolicySlot
+from .slots import Lease, PolicySlot, Rollout
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod, SyncStyle, explorer_step_syncs
 
 log = logging.getLogger("aiosync.sync")
+
+#: Outcomes of a request that count as a successful sync (EXPLORER_DRIVEN counts steps from it).
+_SUCCESS = ("delivered", "up_to_date", "trainer_stopped")
+
+
+@dataclass
+class _Request:
+    """An outstanding request: set ``answered`` when served or expired; asked after explore
+    step ``step``. A request whose answer never comes (a lossy link) expires at ``expiry``
+    (``sync_timeout + delivery_timeout`` after it was made): the explorer asks again."""
+
+    answered: anyio.Event
+    expiry: float
+    step: int
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,10 @@ class ExplorerSideStatistics:
     trainer_stopped: bool
     leases: int
     error: str | None
+    #: Admission control (``max_ahead``): rollouts that waited for newer weights before they
+    #: started, how long, and how many started anyway after the bound.
+    admission_wait_s: Series
+    admission_timeouts: int
 
 
 class Explorer:
@@ -102,9 +123,12 @@ class Explorer:
         #: explorer lost), or ``None``.
         self.error: BaseException | None = None
         self.outcomes: dict[str, int] = {}
-        #: Outstanding requests: id → (answered, expiry). A request whose answer never comes (a
-        #: lossy link) expires after ``sync_timeout + delivery_timeout``: the explorer asks again.
-        self._requests: dict[int, tuple[anyio.Event, float]] = {}
+        #: Outstanding requests by id.
+        self._requests: dict[int, _Request] = {}
+        #: The explore step of the last successful sync (the join counts as one, at step 0).
+        self._synced_step = 0
+        #: The version the last sync point gave (FIXED waits for a newer one at the next).
+        self._synced_version: int | None = None
         self._next_id = 0
         self._window: int | None = None  # seq of the open NCCL window
         self._window_seq = 0
@@ -118,6 +142,8 @@ class Explorer:
         self._finished = anyio.Event()
         self._changed = anyio.Event()
         self._active = True
+        self._admission_wait_s = RunningStat()
+        self._admission_timeouts = 0
         self._own_tg: Any = None
         self._running = False
         self._user_stopped = False
@@ -147,8 +173,8 @@ class Explorer:
     def _outstanding(self) -> bool:
         """Whether a request is outstanding (expired ones are dropped)."""
         now = time.monotonic()
-        for rid in [rid for rid, (_, expiry) in self._requests.items() if expiry <= now]:
-            self._requests.pop(rid)[0].set()
+        for rid in [rid for rid, req in self._requests.items() if req.expiry <= now]:
+            self._requests.pop(rid).answered.set()
         if not self._requests:
             self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
         return bool(self._requests)
@@ -157,7 +183,8 @@ class Explorer:
         err = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
         return ExplorerSideStatistics(self.name, self.status.name, self.slot.version, self.step, self._next_id,
                                       dict(self.outcomes), self.published, self.trainer_stopped,
-                                      self.slot.stats.leases, err)
+                                      self.slot.stats.leases, err, self._admission_wait_s.snapshot(),
+                                      self._admission_timeouts)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -246,6 +273,7 @@ class Explorer:
         with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
             await self._answered.wait()
         if isinstance(self._answer, Attached):
+            self._synced_version = self.slot.version  # the join is the first sync point
             self.state.set(RunningStatus.RUNNING)
             return
         await self._after_refusal()
@@ -276,8 +304,8 @@ class Explorer:
             self.trainer_stopped = True
         self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
         self.state.set_if(RunningStatus.RUNNING, RunningStatus.STOPPED)
-        for ev, _ in self._requests.values():
-            ev.set()
+        for req in self._requests.values():
+            req.answered.set()
         self._requests.clear()
         self._delivering = False
         self._finished.set()
@@ -318,9 +346,11 @@ class Explorer:
 
     def _served(self, msg: Served) -> None:
         self.outcomes[msg.outcome] = self.outcomes.get(msg.outcome, 0) + 1
-        entry = self._requests.pop(msg.id, None)
-        if entry is not None:
-            entry[0].set()
+        req = self._requests.pop(msg.id, None)
+        if req is not None:
+            req.answered.set()
+            if msg.outcome in _SUCCESS:
+                self._synced_step = max(self._synced_step, req.step)
         if not self._requests:
             self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
         self._notify()
@@ -361,32 +391,85 @@ class Explorer:
 
     @contextlib.asynccontextmanager
     async def lease(self, timeout: float | None = None) -> AsyncIterator[Lease]:
-        """``async with explorer.lease() as (model, version)``: see :meth:`PolicySlot.lease`."""
+        """``async with explorer.lease() as (model, version)``: one rollout on one whole version
+        (see :meth:`PolicySlot.lease`). With ``max_ahead`` set, it first waits until the
+        weights held are recent enough to start a rollout (admission, :meth:`admit`)."""
         self._touch()
+        await self.admit()
         async with self.slot.lease(timeout) as lease:
             yield lease
         self._touch()
 
     @contextlib.contextmanager
     def lease_nowait(self) -> Iterator[Lease]:
-        """:meth:`PolicySlot.lease_nowait`."""
+        """:meth:`PolicySlot.lease_nowait`; with ``max_ahead`` set, also
+        :class:`aiosync.errors.WouldBlock` while the weights held are too old to start a rollout."""
         self._touch()
+        if not self.admitted():
+            raise WouldBlock(f"explorer {self.name}: the trainer published version {self.published}, more than "
+                             f"max_ahead={self.config.max_ahead} ahead of the weights held ({self.slot.version})")
         with self.slot.lease_nowait() as lease:
             yield lease
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, timeout: float | None = None) -> AsyncIterator[Rollout]:
+        """``async with explorer.rollout() as r``: a long rollout that lets new weights land
+        between its segments (in-flight updates). Admission (:meth:`admit`) is checked once, at
+        the start; see :meth:`PolicySlot.rollout`."""
+        self._touch()
+        await self.admit()
+        async with self.slot.rollout(timeout) as rollout:
+            yield rollout
+        self._touch()
+
+    def admitted(self) -> bool:
+        """Whether a rollout may start now: ``max_ahead`` is unset, the trainer stopped, or the
+        trainer's newest published version is at most ``max_ahead`` ahead of the weights held."""
+        limit = None if self.config is None else self.config.max_ahead
+        if limit is None or self.trainer_stopped or self.closed or self.published is None:
+            return True
+        return self.slot.version is not None and self.published - self.slot.version <= limit
+
+    async def admit(self) -> None:
+        """Admission control (``max_ahead``): wait until :meth:`admitted`, asking for the newest
+        weights if no request is outstanding, at most ``sync_timeout + delivery_timeout``; then
+        the rollout starts anyway (counted in ``statistics().admission_timeouts``)."""
+        if self.admitted():
+            return
+        cfg = self.config
+        t0 = time.perf_counter()
+        with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
+            while not self.admitted():
+                if not self._outstanding() and self.error is None:
+                    await self.sync_weight(wait=False)  # gets the newer weights first
+                    continue
+                await self._changed.wait()
+        self._admission_wait_s.add(time.perf_counter() - t0)
+        if not self.admitted():
+            self._admission_timeouts += 1
+            log.warning("aiosync: explorer %s starts a rollout on version %s, %s behind the trainer's %s: newer "
+                        "weights did not land within sync_timeout + delivery_timeout", self.name, self.slot.version,
+                        None if self.slot.version is None else self.published - self.slot.version, self.published)
 
     def need_sync(self) -> bool:
         """Whether the explorer should call :meth:`sync_weight` now (after explore step ``step``).
 
-        FIXED: ``step > offset and (step - offset) % interval == 0``; EXPLORER_DRIVEN: every
-        ``interval`` steps; TRAINER_DRIVEN: a newer version was published (NCCL: the trainer
-        opened a handshake this explorer has not joined).
+        FIXED: ``step > offset and (step - offset) % interval == 0``; EXPLORER_DRIVEN: once
+        ``interval`` steps passed since the last successful sync (a timed-out ask is repeated
+        at the next step); TRAINER_DRIVEN: a newer version was published (NCCL: the trainer
+        opened a handshake this explorer has not joined). See :mod:`aiosync.coordination.styles`.
         """
         self._touch()
-        if self.status is RunningStatus.STOPPED or self.config is None or self._outstanding():
+        if self.status is RunningStatus.STOPPED or self.config is None:
             return False
         cfg = self.config
-        if cfg.style is not SyncStyle.TRAINER_DRIVEN:
+        outstanding = self._outstanding()
+        if cfg.style is SyncStyle.FIXED:  # every sync point waits for a newer version (an outstanding request merges)
             return explorer_step_syncs(cfg.style, self.step, cfg.sync_interval, cfg.sync_offset)
+        if outstanding:
+            return False
+        if cfg.style is SyncStyle.EXPLORER_DRIVEN:
+            return explorer_step_syncs(cfg.style, self.step, cfg.sync_interval, cfg.sync_offset, self._synced_step)
         if cfg.method is SyncMethod.NCCL:
             return self._window is not None and self._joined_window != self._window
         return self.published is not None and (self.slot.version is None or self.published > self.slot.version)
@@ -397,8 +480,10 @@ class Explorer:
         REQUIRE_SYNC until the request is served. ``wait`` (default: ``not
         sync_weight_no_wait``) waits until the new weights are applied; otherwise the apply runs
         in the background and the old weights stay in use until it atomically swaps them.
-        EXPLORER_DRIVEN and NCCL requests wait for the trainer at most ``sync_timeout``; then
-        the explorer carries on (RUNNING) and may ask again. A STOPPED trainer answers at once.
+        FIXED, EXPLORER_DRIVEN and NCCL requests wait for the trainer at most ``sync_timeout``
+        (FIXED: until a version newer than the previous sync point's is published; with
+        no-wait it then returns, the apply runs in the background); then the explorer carries
+        on (RUNNING) and may ask again. A STOPPED trainer answers at once.
         """
         self._check_usable("sync_weight")
         cfg = self.config
@@ -408,12 +493,19 @@ class Explorer:
                 self.slot.version is not None and self.published <= self.slot.version)):
             return self.slot.version  # S5: nothing newer will come
         blocking = not cfg.sync_weight_no_wait if wait is None else wait
+        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
+        if cfg.style is SyncStyle.FIXED and cfg.method is not SyncMethod.NCCL:  # NCCL: the handshake waits
+            if not await self._wait_published_after(self._synced_version, cfg.sync_timeout):
+                self.outcomes["timeout"] = self.outcomes.get("timeout", 0) + 1
+                self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
+                self._check_usable("sync_weight")
+                return self.slot.version  # S3: carries on, and waits again at its next sync point
         self._next_id += 1
         request_id, event = self._next_id, anyio.Event()
-        self._requests[request_id] = (event, time.monotonic() + cfg.sync_timeout + cfg.delivery_timeout)
+        self._requests[request_id] = _Request(event, time.monotonic() + cfg.sync_timeout + cfg.delivery_timeout,
+                                              self.step)
         if self._window is not None:
             self._joined_window = self._window
-        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
         if not await self.mux.send_quietly(SyncRequest(request_id)):
             self._requests.pop(request_id, None)
             self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
@@ -423,9 +515,23 @@ class Explorer:
         if blocking:
             with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
                 await event.wait()
-            if self.error is not None:
-                self._check_usable("sync_weight")
+            self._synced_version = self.slot.version
+        else:
+            self._synced_version = self.published  # what the background apply brings
+        if self.error is not None:
+            self._check_usable("sync_weight")
         return self.slot.version
+
+    async def _wait_published_after(self, version: int | None, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the trainer published a version newer than
+        ``version``, stopped, or the session ended; False on timeout."""
+        def newer() -> bool:
+            return self.published is not None and (version is None or self.published > version)
+
+        with anyio.move_on_after(timeout):
+            while not (newer() or self.trainer_stopped or self.closed or self.error is not None):
+                await self._changed.wait()
+        return newer() or self.trainer_stopped or self.closed
 
     async def step_done(self) -> int | None:
         """Count one explore step; sync if :meth:`need_sync`. Returns the version held."""
@@ -433,6 +539,8 @@ class Explorer:
         self.step += 1
         if self.need_sync():
             await self.sync_weight()
+        else:
+            await anyio.lowlevel.checkpoint()  # always a checkpoint: a loop of steps never starves the loop
         return self.slot.version
 
     async def wait_applied(self, timeout: float | None = None) -> int | None:
@@ -441,7 +549,7 @@ class Explorer:
         timeout = self.config.delivery_timeout if timeout is None else timeout
         with anyio.move_on_after(timeout):
             while self.busy and not self.closed:
-                expiry = min((e for _, e in self._requests.values()), default=None)
+                expiry = min((req.expiry for req in self._requests.values()), default=None)
                 with anyio.move_on_after(None if expiry is None else max(0.0, expiry - time.monotonic())):
                     await self._changed.wait()
         if self.busy and not self.closed:

@@ -81,15 +81,19 @@ class Hub:
 
     def changed(self) -> None:
         """Something handshakes and joins wait on changed (an explorer joined, stopped, left or
-        was lost): wake everything waiting on the source."""
+        was lost): wake everything waiting on the source or on a line."""
         self.source._notify()
+        for session in list(self.sessions.values()):
+            if session.line is not None:
+                session.line.notify()
 
     # -- requests ----------------------------------------------------------------------
 
     def request(self, line: DeliveryLine, held: int | None) -> int | None:
         """Queue an explorer's ask for the newest weights on ``line``; returns the request's seq,
         or ``None`` when nothing newer can come (the trainer stopped, S5). EXPLORER_DRIVEN and
-        NCCL requests wait for the trainer at most ``sync_timeout``."""
+        NCCL requests wait for the trainer at most ``sync_timeout``. (A FIXED explorer waits for
+        a newer version on its own side before it asks: :meth:`Explorer.sync_weight`.)"""
         cfg, source = self.config, self.source
         needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
         if source.trainer_stopped:
@@ -107,6 +111,18 @@ class Hub:
         deadline = time.monotonic() + timeout
         return [line for line in lines
                 if not await line.wait_settled(max(0.0, deadline - time.monotonic())) and not line.closed]
+
+    async def wait_applied(self, lines: Iterable[DeliveryLine], version: int, timeout: float) -> list[DeliveryLine]:
+        """Wait until every line's explorer applied ``version`` or newer (or stopped, left, was
+        lost); returns the lines still below it after ``timeout``."""
+        deadline = time.monotonic() + timeout
+
+        def caught_up(line: DeliveryLine) -> bool:
+            return (line.applied_version is not None and line.applied_version >= version) or \
+                line not in self.handshake_lines()
+
+        return [line for line in lines
+                if not await line.wait_for(lambda line=line: caught_up(line), max(0.0, deadline - time.monotonic()))]
 
     async def wait_served(self, handed: list[tuple[DeliveryLine, int]], timeout: float) -> list[DeliveryLine]:
         """Wait until every ``(line, seq)`` was served; returns the lines that were not in time."""

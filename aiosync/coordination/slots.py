@@ -6,6 +6,9 @@ holding explicit shared state, paired ``*_nowait`` / awaiting methods, precise e
   Readers and the writer exclude each other, so a lease never sees two versions at once; the
   version advances only after a whole apply succeeded and is strictly increasing; a failed
   apply is rolled back.
+* :class:`Rollout` — a long rollout that holds the model in *segments*
+  (:meth:`PolicySlot.rollout`): between two segments a waiting apply goes first, so new weights
+  land during the rollout and every segment is stamped with the version it ran on.
 * :class:`LatestSlot` (S6, B4) — a one-item, latest-wins mailbox: a put while an item is
   waiting replaces it (the old one is *coalesced*, never queued); closing it still lets the
   waiting item be taken, so the newest item is never dropped.
@@ -66,6 +69,9 @@ class SlotStats:
     leases_waited: int = 0
     max_lease_wait_s: float = 0.0
     max_concurrent_leases: int = 0
+    #: The most leases one apply had to wait for (those held when it asked: new ones wait for
+    #: it). With segmented rollouts, at most one segment per rollout.
+    max_leases_waited_for: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,9 @@ class SlotStatistics:
     leases_waited: int
     max_lease_wait_s: float
     max_concurrent_leases: int
+    max_leases_waited_for: int
+    #: Applies waiting for the leases in use to end.
+    writers_waiting: int
 
 
 @dataclass(eq=False)
@@ -133,7 +142,8 @@ class PolicySlot(Generic[M]):
 
     def statistics(self) -> SlotStatistics:
         """A frozen snapshot of the counters and the state."""
-        return SlotStatistics(self.version, self._readers, self._writing, **dataclasses.asdict(self.stats))
+        return SlotStatistics(self.version, self._readers, self._writing, **dataclasses.asdict(self.stats),
+                              writers_waiting=self._writers_waiting)
 
     def _can_read(self) -> bool:
         # Writer preference: a waiting apply holds back new leases, so it cannot starve.
@@ -192,6 +202,24 @@ class PolicySlot(Generic[M]):
         finally:
             self._exit_read()
 
+    @contextlib.asynccontextmanager
+    async def rollout(self, timeout: float | None = None) -> AsyncIterator["Rollout"]:
+        """A long rollout held in segments (in-flight updates)::
+
+            async with slot.rollout() as r:
+                while not done:
+                    async with r.segment() as (model, version):   # one token batch, one env step
+                        ...
+            r.versions   # the version of every segment; r.first_version, r.last_version
+
+        Each :meth:`Rollout.segment` is a lease of its own: within a segment the weights never
+        change; between two segments a waiting apply goes first (writer preference), so an
+        apply waits at most for the segment in progress, never for the whole rollout, and never
+        times out into a re-bootstrap because a rollout is long. :meth:`lease` keeps its meaning
+        (one version throughout). ``timeout`` bounds each segment's wait (default: the slot's).
+        """
+        yield Rollout(self, self.timeout if timeout is None else timeout)
+
     # -- the writer -------------------------------------------------------------------
 
     async def apply(self, write: Callable[[M], Awaitable[int]], *, timeout: float | None = None,
@@ -221,6 +249,7 @@ class PolicySlot(Generic[M]):
             started = time.perf_counter()
             # From here, leases asked for wait for this apply (writer preference).
             self._writers_waiting += 1
+            self.stats.max_leases_waited_for = max(self.stats.max_leases_waited_for, self._readers)
             try:
                 with anyio.fail_after(timeout):
                     while self._writing or self._readers:
@@ -296,6 +325,43 @@ class PolicySlot(Generic[M]):
     async def _rollback(self, backup: bool) -> None:
         if backup and self._backup is not None:
             await run_sync(self._restore_backup)
+
+
+@dataclass(eq=False)
+class Rollout:
+    """A rollout in segments (:meth:`PolicySlot.rollout`); ``versions`` holds the version of
+    every segment so far, in order — stamp the rollout's samples with it."""
+
+    slot: PolicySlot
+    timeout: float
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def first_version(self) -> int | None:
+        """The version of the first segment (``None`` before it)."""
+        return self.versions[0] if self.versions else None
+
+    @property
+    def last_version(self) -> int | None:
+        """The version of the latest segment (``None`` before the first)."""
+        return self.versions[-1] if self.versions else None
+
+    @property
+    def segments(self) -> int:
+        return len(self.versions)
+
+    @contextlib.asynccontextmanager
+    async def segment(self) -> AsyncIterator[Lease]:
+        """Hold the model for one segment: yields ``(model, version)``; a waiting apply runs
+        before it starts (it may then run on a newer version than the previous segment)."""
+        async with self.slot.lease(self.timeout) as lease:
+            self.versions.append(lease.version)
+            yield lease
+
+    def apply_waiting(self) -> bool:
+        """Whether an apply waits for the segment in progress to end (end it early, e.g. at a
+        token boundary, to let the new weights in sooner)."""
+        return self.slot._writers_waiting > 0
 
 
 @dataclass

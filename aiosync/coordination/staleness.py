@@ -56,7 +56,8 @@ class StalenessFilter:
     ``decay ** (staleness - max_staleness)``. Samples within the bound have weight 1.
     ``max_staleness=None`` keeps everything (staleness is still measured). A sample from a
     version newer than the trainer's (staleness < 0) is a stamping bug and raises ``ValueError``.
-    Running totals are kept in ``seen``, ``dropped`` and ``histogram`` (staleness → count).
+    Running totals are kept in ``seen``, ``dropped``, ``histogram`` (staleness → count) and
+    ``max_used`` (the most stale sample kept).
     """
 
     max_staleness: int | None = None
@@ -66,6 +67,7 @@ class StalenessFilter:
     seen: int = 0
     dropped: int = 0
     histogram: Counter = field(default_factory=Counter)
+    max_used: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("drop", "downweight"):
@@ -91,6 +93,7 @@ class StalenessFilter:
                 dropped += 1
                 continue
             kept.append(sample)
+            self.max_used = max(self.max_used, lag)
             weights.append(self.decay ** (lag - self.max_staleness) if over else 1.0)
         self.dropped += dropped
         return FilterResult(kept, weights, dropped, staleness)
@@ -99,7 +102,8 @@ class StalenessFilter:
         """Totals since creation: samples seen, dropped, mean and max staleness."""
         total = sum(self.histogram.values())
         mean = sum(k * n for k, n in self.histogram.items()) / total if total else 0.0
-        return StalenessStatistics(self.max_staleness, self.seen, self.dropped, mean, max(self.histogram, default=0))
+        return StalenessStatistics(self.max_staleness, self.seen, self.dropped, mean, max(self.histogram, default=0),
+                                   self.max_used)
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,5 @@ class StalenessStatistics:
     dropped: int
     mean: float
     max: int
+    #: The staleness of the stalest sample that was kept (used for training).
+    max_used: int = 0

@@ -1,11 +1,25 @@
 """How weights travel (:class:`SyncMethod`, S2) and when syncs happen (:class:`SyncStyle`, S3).
 
-Scheduling rules (``interval`` = ``sync_interval``, ``offset`` = ``sync_offset``)::
+Scheduling rules (``interval`` = ``sync_interval``, ``offset`` = ``sync_offset``, ``last`` = the
+explore step of the explorer's last *successful* sync, 0 at first)::
 
     style            trainer syncs after train step t        explorer syncs after explore step s
     FIXED            t % interval == 0                        s > offset and (s - offset) % interval == 0
     TRAINER_DRIVEN   t % interval == 0                        a newer version was published
-    EXPLORER_DRIVEN  an explorer asked (serves at next check) s % interval == 0 (asks; retries next cycle)
+    EXPLORER_DRIVEN  an explorer asked (serves at next check) s - last >= interval
+
+What each sync waits for, and the bound it gives:
+
+* ``FIXED``: at each of its sync points the explorer waits, at most ``sync_timeout``, for a
+  version newer than the one it holds (a blocking sync: until it is applied; with
+  ``sync_weight_no_wait``: until it is published, the apply runs in the background). So while
+  the trainer is alive an explorer never runs more than ``offset + interval`` explore steps on
+  one version (plus, with no-wait, the steps its background apply takes).
+* ``EXPLORER_DRIVEN``: the explorer asks; the trainer serves the request at its next check; an
+  ask that times out (``sync_timeout``) is repeated at the explorer's very next step, since the
+  steps since its last successful sync still reach the interval.
+* ``TRAINER_DRIVEN``: the explorer picks up the newest version at its next check; it never waits
+  for the trainer.
 
 With ``FIXED``, ``interval=10, offset=0`` syncs every 10 steps with both sides starting
 together; ``interval=10, offset=5`` lets the explorer run 5 steps ahead first, then sync every
@@ -70,15 +84,18 @@ def trainer_step_syncs(style: SyncStyle, step: int, interval: int) -> bool:
     return step % interval == 0
 
 
-def explorer_step_syncs(style: SyncStyle, step: int, interval: int, offset: int) -> bool:
+def explorer_step_syncs(style: SyncStyle, step: int, interval: int, offset: int, last_synced: int = 0) -> bool:
     """Whether the explorer's schedule asks for a sync after explore step ``step`` (1-based).
 
-    ``TRAINER_DRIVEN`` has no explorer schedule: the explorer syncs when a newer version exists.
+    ``last_synced``: the explore step of the explorer's last successful sync (``EXPLORER_DRIVEN``
+    asks once ``interval`` steps have passed since, so a timed-out ask is repeated at the next
+    step). ``TRAINER_DRIVEN`` has no explorer schedule: the explorer syncs when a newer version
+    exists.
     """
     if step <= 0:
         return False
     if style is SyncStyle.FIXED:
         return step > offset and (step - offset) % interval == 0
     if style is SyncStyle.EXPLORER_DRIVEN:
-        return step % interval == 0
+        return step - last_synced >= interval
     return False

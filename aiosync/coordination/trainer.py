@@ -43,6 +43,10 @@ class TrainerStatistics:
     handshake_timeouts: int
     publish_s: Series
     sync_s: Series
+    #: Admission control (``max_ahead``): how long publishes waited for explorers to catch up,
+    #: and how many went ahead after ``sync_timeout``.
+    hold_back_s: Series
+    hold_back_timeouts: int
 
 
 @dataclass(eq=False)
@@ -65,6 +69,8 @@ class TrainerHandle:
     handshake_timeouts: int = 0
     publish_s: RunningStat = field(default_factory=RunningStat)
     sync_s: RunningStat = field(default_factory=RunningStat)
+    hold_back_s: RunningStat = field(default_factory=RunningStat)
+    hold_back_timeouts: int = 0
 
     @property
     def status(self) -> RunningStatus:
@@ -78,7 +84,8 @@ class TrainerHandle:
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(self.status.name, self.version, self.step, self.syncs, self.handshake_timeouts,
-                                 self.publish_s.snapshot(), self.sync_s.snapshot())
+                                 self.publish_s.snapshot(), self.sync_s.snapshot(), self.hold_back_s.snapshot(),
+                                 self.hold_back_timeouts)
 
     def need_sync(self) -> bool:
         """Whether the trainer should call :meth:`sync_weight` now.
@@ -118,6 +125,8 @@ class TrainerHandle:
             raise VersionError(f"trainer: version {version} is not above the last published {self.version}")
         blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
         t0 = time.perf_counter()
+        if cfg.max_ahead is not None and cfg.method is not SyncMethod.NCCL:
+            await self._hold_back(version)
         if blocking:
             busy = await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
             if busy:
@@ -146,6 +155,30 @@ class TrainerHandle:
         failed = [line.name for line, _ in handed if blocking and (line.last_outcome == "failed" or line.closed)]
         return {"version": version, "blocking": blocking, "handed_to": [line.name for line, _ in handed],
                 "failed": failed, "sync_s": dt}
+
+    async def _hold_back(self, version: int) -> None:
+        """Admission control (``max_ahead``, MEMORY / CHECKPOINT): publish ``version`` only once
+        every running explorer holds at least ``version - max_ahead``. Lagging explorers are
+        sent the newest weights now (whatever their schedule); the wait is bounded by
+        ``sync_timeout``, then the publish goes ahead (counted in ``hold_back_timeouts``). NCCL
+        needs none of this: each handshake already waits for every running explorer."""
+        hub, cfg = self.hub, self.hub.config
+        floor = version - cfg.max_ahead
+        lagging = [s.line for s in hub.open_sessions() if s.expects_handshakes
+                   and (s.line.applied_version is None or s.line.applied_version < floor)]
+        if not lagging:
+            return
+        t0 = time.perf_counter()
+        for line in lagging:
+            if not line.busy:
+                line.request()
+        late = await hub.wait_applied(lagging, floor, cfg.sync_timeout)
+        self.hold_back_s.add(time.perf_counter() - t0)
+        if late:
+            self.hold_back_timeouts += 1
+            log.warning("aiosync: publishing version %d although %s still hold versions below %d "
+                        "(max_ahead=%d): they did not catch up within sync_timeout=%ss", version,
+                        ", ".join(line.name for line in late), floor, cfg.max_ahead, cfg.sync_timeout)
 
     async def _serve_current(self) -> dict[str, Any]:
         """No training since the last publish: answer waiting explorers with that version."""
