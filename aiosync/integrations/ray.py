@@ -58,6 +58,9 @@ __all__ = ["TrainerActor", "ExplorerActor", "ServingStatistics", "CallResult", "
 
 log = logging.getLogger("aiosync.ray")
 
+#: Seconds an explorer allows, beyond ``connect_timeout``, for the trainer actor's answer to come back.
+_ANSWER_SLACK = 10.0
+
 
 @dataclass(frozen=True)
 class ServingStatistics:
@@ -228,12 +231,12 @@ class ExplorerActor(RayEndpoint):
         me = ray.get_runtime_context().current_actor
         channel = RayChannel(trainer, timeout=timeout)
         try:
-            try:
-                with anyio.fail_after(connect_timeout):
+            try:  # the trainer waits up to connect_timeout for its synchronizer; then Ray brings the answer
+                with anyio.fail_after(connect_timeout + _ANSWER_SLACK):
                     await trainer.aiosync_connect.remote(me, channel.channel, name, connect_timeout)
             except TimeoutError:
-                raise PeerTimeoutError(f"explorer {name}: the trainer actor did not accept the connection within "
-                                       f"{connect_timeout}s") from None
+                raise PeerTimeoutError(f"explorer {name}: the trainer actor did not answer the connection within "
+                                       f"{connect_timeout + _ANSWER_SLACK}s") from None
             except RayActorError as exc:
                 raise TransportError(f"explorer {name}: the trainer actor is gone ({type(exc).__name__})") from exc
             except RayTaskError as exc:
