@@ -255,7 +255,7 @@ def test_restarted_explorer_rejoins_and_ends_bit_exact():
 
 # ------------------------------------------------------------------ bounded joins
 
-def test_joins_are_refused_or_fail_instead_of_hanging(actors):
+def test_joins_are_refused_or_fail_instead_of_hanging_and_a_dead_trainer_is_reported(actors):
     trainer, (holder, other) = actors
     config = {"method": "memory", "style": "trainer_driven", "sync_timeout": GUARD, "delivery_timeout": GUARD}
 
@@ -270,7 +270,14 @@ def test_joins_are_refused_or_fail_instead_of_hanging(actors):
         await training
         await holding
         out["closed"] = await other.try_join.remote(trainer, "late", GUARD)  # the synchronizer has closed
-        ray.kill(fresh)
+        doomed = fresh.train.remote(config, PATCH, 10_000, 1)
+        orphan = other.run.remote(fresh, "orphan")
+        await fresh.wait_version.remote(2)
+        ray.kill(fresh)  # the trainer dies under a running explorer...
+        with pytest.raises(TransportError, match="lost the synchronizer"):
+            await orphan  # ...whose next call says so instead of hanging
+        with pytest.raises(RayActorError):
+            await doomed
         out["dead"] = await other.try_join.remote(fresh, "y", GUARD)
         return out
 

@@ -29,11 +29,12 @@ from .simulated import SimulatedTransport, simulated_pair
 _DISTRIBUTED = ("DistributedTransport", "WeightSyncGroup", "Frame", "encode_message", "decode_message",
                 "register_message")
 
-#: Names served lazily from :mod:`.ray` (imports Ray).
+#: Names served lazily from :mod:`.ray`: they need Ray, so they stay out of ``__all__`` (a
+#: ``from aiosync.transports import *`` works without it).
 _RAY = ("RayChannel", "RayEndpoint", "RayChannelStatistics")
 
 __all__ = ["Transport", "TransportStatistics", "payload_nbytes", "InProcTransport", "inproc_pair",
-           "SimulatedTransport", "simulated_pair", "FaultProfile", "FAULT_KINDS", *_DISTRIBUTED, *_RAY]
+           "SimulatedTransport", "simulated_pair", "FaultProfile", "FAULT_KINDS", *_DISTRIBUTED]
 
 
 def __getattr__(name: str) -> Any:
