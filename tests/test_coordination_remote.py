@@ -223,6 +223,39 @@ async def test_a_lost_explorer_is_reported_and_the_trainer_serves_the_others():
     assert sync.metrics()["explorers"]["doomed"]["last_error"]
 
 
+async def test_a_lost_explorer_may_come_back_under_its_name():
+    """R2 (e.g. a Ray actor restarted): a lost session's name is free again; the explorer that
+    comes back is bootstrapped afresh, and wait_for_explorers counts only sessions still open."""
+    state = weights(0)
+    (a0, b0), (a1, b1) = wires(2)
+    cfg = dict(style="trainer_driven", sync_weight_no_wait=True, sync_timeout=5, delivery_timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD):
+        async with Synchronizer(cfg, PATCH) as sync:
+            trainer = await sync.attach_trainer(state)
+            sync.serve_remote(a0)
+            sync.serve_remote(a1)
+            async with Explorer("e", rollout_model(), b0):
+                train_to(state, 1)
+                await trainer.sync_weight(1, wait=True)
+                lost = sync.explorers["e"]
+                a0.cut()  # the explorer's process is gone
+                b0.cut()
+                while not lost.closed:
+                    await sync.source.changed(HANG_GUARD)
+            assert lost.lost
+            with pytest.raises(PeerTimeoutError):
+                await sync.wait_for_explorers(1, timeout=0.05)  # the lost session does not count
+            train_to(state, 2)
+            await trainer.sync_weight(2, wait=True)
+            async with Explorer("e", rollout_model(), b1) as back:  # a fresh model, under the same name
+                assert sync.explorers["e"] is not lost and await sync.wait_for_explorers(1, HANG_GUARD) == ["e"]
+                assert back.version == 2 and holds(back.slot.model, 2)
+                train_to(state, 3)
+                await trainer.sync_weight(3, wait=True)
+                assert back.version == 3 and holds(back.slot.model, 3)
+                assert sync.metrics()["explorers"]["e"]["reinits"] == 1  # its own bootstrap
+
+
 async def test_explorer_refused_for_a_taken_name_or_a_dead_synchronizer():
     state = weights(0)
     (a0, b0), (a1, b1) = wires(2)

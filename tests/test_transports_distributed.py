@@ -98,6 +98,28 @@ def test_codec_round_trips_every_payload_shape_bit_exactly():
     assert got.payloads[0]["nc"].is_contiguous()  # non-contiguous tensors arrive contiguous
 
 
+def test_tensors_placed_out_of_band_travel_in_external_bodies():
+    big, small = torch.randn(64, 8).to(torch.bfloat16), torch.arange(3)
+    payload = {"big": big, "again": big, "small": small, "t": torch.randn(5).t()}
+    seen: list = []
+
+    def external(t: torch.Tensor):  # the caller's own tensors, by identity (a transport ships them itself)
+        if t.numel() < 100:
+            return None
+        seen.append(t)
+        return len(seen) - 1
+
+    frame = encode_message(payload, external=external)
+    assert seen[0] is big and frame.host.numel() < big.numel() * 2  # big left the packed body
+    bodies = [t.contiguous().reshape(-1).view(torch.uint8).clone() for t in seen]
+    got = decode_message(frame.header, frame.host, externals=bodies)
+    assert same(got, payload)
+    with pytest.raises(PayloadError, match="external body 1, which it does not carry"):
+        decode_message(frame.header, frame.host, externals=bodies[:1])
+    with pytest.raises(PayloadError, match="outside the body"):
+        decode_message(frame.header, frame.host, externals=[bodies[0][:10], bodies[1]])
+
+
 def test_dataclass_nodes_carry_the_module_qualname_and_dtypes_travel_by_name():
     frame = encode_message(Meta(["w"], [(2,)], ["bfloat16"], flags=[torch.bfloat16]))
     doc = json.loads(frame.header)

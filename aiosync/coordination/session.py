@@ -147,7 +147,10 @@ class ExplorerSession:
             return False
         with anyio.fail_after(cfg.sync_timeout + cfg.delivery_timeout):
             await hub.trainer_attached.wait()
-        if hello.name in hub.sessions or hello.name in hub.joining:
+        held = hub.sessions.get(hello.name)
+        if (held is not None and not held.closed) or hello.name in hub.joining:
+            # A closed session's name is free: an explorer that was lost (or left) may come back
+            # under it (R2, e.g. an actor Ray restarted); its new session replaces the old one.
             await self._refuse(f"an explorer named {hello.name!r} is already attached")
             return False
         hub.joining.add(hello.name)

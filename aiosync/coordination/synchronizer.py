@@ -258,19 +258,23 @@ class Synchronizer:
         self._require_started().start_soon(ExplorerSession(self.hub, transport).run, name="aiosync-session")
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
-        """Wait until at least ``n`` explorers are attached (in this process or others); returns
-        their names. :class:`~aiosync.errors.PeerTimeoutError` after ``timeout`` seconds.
+        """Wait until at least ``n`` explorers are attached (in this process or others) and not
+        lost or gone; returns their names. :class:`~aiosync.errors.PeerTimeoutError` after
+        ``timeout`` seconds.
 
         With NCCL, call it from the trainer's task: a joining explorer's first sync reads the
         trainer's live tensors, so the handshake for it is served here.
         """
+        def attached() -> list[str]:
+            return [name for name, s in self.explorers.items() if s.open]
+
         with anyio.move_on_after(timeout):
-            while len(self.explorers) < n:
+            while len(attached()) < n:
                 await self._serve_joining_once()
                 await self.hub.source.changed(None)  # an explorer joined, or one waits for a window
-        if len(self.explorers) < n:
-            raise PeerTimeoutError(f"{len(self.explorers)} of {n} explorers attached within {timeout}s")
-        return list(self.explorers)
+        if len(attached()) < n:
+            raise PeerTimeoutError(f"{len(attached())} of {n} explorers attached within {timeout}s")
+        return attached()
 
     async def _serve_joining_once(self) -> None:
         trainer, source = self.trainer, self.hub.source

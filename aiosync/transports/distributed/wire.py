@@ -10,6 +10,10 @@ Wire format of one message (see ``docs/distributed.md``)::
     host     uint8[]   CPU tensors and ``bytes``, each at a 64-byte aligned offset            (control group)
     device   uint8[]   CUDA tensors, when a device (NCCL) data group is configured           (data group)
 
+A transport that ships large tensors on its own (the Ray transport: one object per tensor)
+encodes with ``external=``: those tensors are left out of the bodies and the header refers to
+external body ``i`` instead; the receiver passes them back to :func:`decode_message`.
+
 The header is JSON, never pickle: only plain values, lists, tuples, dicts, ``torch.dtype``,
 tensors, ``bytes`` and *registered* dataclasses (:func:`aiosync.messages.message`; aiosync's
 payload and protocol classes are registered) can travel, so a peer cannot make this process
@@ -25,7 +29,7 @@ import dataclasses
 import json
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +52,8 @@ _ALIGN = 64
 _PACK_IN_THREAD = 1 << 20
 #: Upper bound on a header, so a corrupt prefix cannot make us allocate gigabytes for it.
 MAX_HEADER_BYTES = 256 << 20
+#: Tensor entries whose body number is ``_EXTERNAL + i`` live in external body ``i`` (out of band).
+_EXTERNAL = 2
 
 
 # ----------------------------------------------------------------------------- the prefix
@@ -153,8 +159,10 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
 class _Encoder:
     """Turns a payload into a JSON-able tree plus the tensors and byte strings it references."""
 
-    def __init__(self, device: torch.device | None) -> None:
+    def __init__(self, device: torch.device | None,
+                 external: "Callable[[torch.Tensor], int | None] | None" = None) -> None:
         self.device = device  # tensors on this device go to the device body
+        self.external = external  # tensors it places travel out of band, in bodies of their own
         self.host: list[tuple[int, Any]] = []  # (offset, tensor or bytes)
         self.dev: list[tuple[int, torch.Tensor]] = []
         self.host_size = 0
@@ -195,8 +203,12 @@ class _Encoder:
                            "numbers, strings, lists, tuples, dicts or registered dataclasses")
 
     def _tensor(self, t: torch.Tensor) -> int:
-        t = _plain_tensor(t)
+        original, t = t, _plain_tensor(t)
         nbytes = t.numel() * t.element_size()
+        body = None if self.external is None else self.external(original)  # the caller's object, by identity
+        if body is not None:
+            self.tensors.append([_EXTERNAL + body, 0, nbytes, dtype_name(t.dtype), list(t.shape)])
+            return len(self.tensors) - 1
         on_device = self.device is not None and t.device.type == self.device.type
         if on_device:
             off = self.dev_size
@@ -234,10 +246,16 @@ def _copy_bytes(dst: torch.Tensor, off: int, t: torch.Tensor) -> None:
     dst[off:off + n].copy_(src, non_blocking=False)
 
 
-def encode_message(payload: Any, device: torch.device | None = None) -> Frame:
+def encode_message(payload: Any, device: torch.device | None = None, *,
+                   external: "Callable[[torch.Tensor], int | None] | None" = None) -> Frame:
     """Encode ``payload`` into a :class:`Frame`. Tensors on ``device`` (a CUDA device) go to the
-    device body; every other tensor, and ``bytes``, to the host body."""
-    enc = _Encoder(device)
+    device body; every other tensor, and ``bytes``, to the host body.
+
+    ``external(tensor)`` (optional) may place a tensor *out of band*: it returns the index of
+    an external body that will carry exactly that tensor's bytes (the caller ships those bodies
+    itself, e.g. as Ray objects), or ``None`` to pack it as usual. The header then refers to
+    external body ``i``; :func:`decode_message` takes the bodies as ``externals``."""
+    enc = _Encoder(device, external)
     tree = enc.encode(payload)
     header = json.dumps({"v": 1, "tree": tree, "tensors": enc.tensors}, separators=(",", ":"),
                         allow_nan=False).encode()
@@ -249,11 +267,17 @@ def encode_message(payload: Any, device: torch.device | None = None) -> Frame:
 
 
 class _Decoder:
-    def __init__(self, tensors: list, host: torch.Tensor | None, dev: torch.Tensor | None) -> None:
+    def __init__(self, tensors: list, host: torch.Tensor | None, dev: torch.Tensor | None,
+                 externals: Sequence[torch.Tensor] = ()) -> None:
         self.entries = tensors
         self.host, self.dev = host, dev
+        self.externals = externals
 
     def _body(self, which: int) -> torch.Tensor:
+        if isinstance(which, int) and which >= _EXTERNAL:
+            if which - _EXTERNAL >= len(self.externals):
+                raise PayloadError(f"message references external body {which - _EXTERNAL}, which it does not carry")
+            return self.externals[which - _EXTERNAL]
         body = self.dev if which == 1 else self.host
         if body is None:
             raise PayloadError("message references a body it does not carry")
@@ -330,8 +354,11 @@ class _Decoder:
             raise PayloadError(f"cannot rebuild {cls.__name__} from the message: {exc}") from None
 
 
-def decode_message(header: bytes, host: torch.Tensor | None = None, device: torch.Tensor | None = None) -> Any:
-    """Rebuild a payload from a header and its bodies (inverse of :func:`encode_message`)."""
+def decode_message(header: bytes, host: torch.Tensor | None = None, device: torch.Tensor | None = None, *,
+                   externals: Sequence[torch.Tensor] = ()) -> Any:
+    """Rebuild a payload from a header and its bodies (inverse of :func:`encode_message`);
+    ``externals``: the out-of-band bodies, one ``uint8`` tensor per external tensor, in the
+    order ``external`` numbered them."""
     try:
         doc = json.loads(header.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -339,7 +366,7 @@ def decode_message(header: bytes, host: torch.Tensor | None = None, device: torc
     if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("tensors"), list):
         raise PayloadError("message header has an unknown layout (not an aiosync v1 message)")
     try:
-        return _Decoder(doc["tensors"], host, device).decode(doc.get("tree"))
+        return _Decoder(doc["tensors"], host, device, externals).decode(doc.get("tree"))
     except PayloadError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
