@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from aiosync.checkpoints import CheckpointDir, check_tensors_fit
+from aiosync.checkpoints import CheckpointDir, TensorSlice, check_tensors_fit
 from aiosync.errors import HandshakeError, PayloadError, VersionError
 
 from helpers import rollout_model, same_bits, weights
@@ -155,3 +155,142 @@ def test_load_checks_the_file_against_the_model_it_is_for(tmp_path):
     with pytest.raises(HandshakeError, match=r"checkpoint sync-000000000003.safetensors: 'w' has shape \(2, 2\)"):
         d.load(target=rollout_model())
     assert d.load()[0] == 3  # without a target, no check
+
+
+# ------------------------------------------------------------------ several writers (sharded trainers)
+
+def _halves(v: float) -> tuple[dict, dict]:
+    """Writer 0 and writer 1 of a state whose ``w`` is split by rows; ``b`` and ``n`` are whole."""
+    full = _state(v) | {"w": torch.arange(12.0).reshape(3, 4) + v}
+    rows = [full["w"][:2], full["w"][2:]]
+    w0 = {"w": TensorSlice(rows[0], (0, 0), (3, 4)), "b": full["b"], "n": full["n"]}
+    w1 = {"w": TensorSlice(rows[1], (2, 0), (3, 4)), "b": full["b"], "n": full["n"]}  # plain ones: writer 0's
+    return w0, w1, full
+
+
+def test_a_version_of_two_writers_is_published_only_when_both_shards_are_in(tmp_path):
+    d = CheckpointDir(tmp_path)
+    w0, w1, full = _halves(1.0)
+    d.publish(w0, 1, writer=(0, 2))
+    assert d.newest() is None  # one shard of two: not published
+    with pytest.raises(FileNotFoundError, match="no published checkpoint"):
+        d.load()
+    d.publish(w1, 1, writer=(1, 2))
+    version, tensors = d.load()
+    assert version == 1 and set(tensors) == set(full)
+    assert all(same_bits(tensors[k], full[k]) for k in full)
+    # the next version: superseded shards go only once it is complete
+    w0, w1, full2 = _halves(2.0)
+    d.publish(w1, 2, writer=(1, 2))
+    assert d.newest_version() == 1 and d.load()[0] == 1  # version 1 still readable
+    d.publish(w0, 2, writer=(0, 2))
+    assert d.newest_version() == 2 and same_bits(d.load()[1]["w"], full2["w"])
+    assert sorted(os.listdir(tmp_path)) == ["sync-000000000002.w00000-of-00002.safetensors",
+                                            "sync-000000000002.w00001-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("case", ["overlap", "gap", "whole_and_slice"])
+def test_shards_that_do_not_tile_a_tensor_are_refused(tmp_path, case):
+    d = CheckpointDir(tmp_path)
+    w = torch.arange(12.0).reshape(3, 4)
+    first = w if case == "whole_and_slice" else TensorSlice(w[:2], (0, 0), (3, 4))
+    second = {"overlap": TensorSlice(w[1:], (1, 0), (3, 4)), "gap": TensorSlice(w[2:3, :2], (2, 0), (3, 4)),
+              "whole_and_slice": TensorSlice(w[2:], (2, 0), (3, 4))}[case]
+    d.publish({"w": first}, 1, writer=(0, 2))
+    d.publish({"w": second}, 1, writer=(1, 2))
+    with pytest.raises(PayloadError, match="overlap or leave gaps|written whole"):
+        d.load()
+
+
+def test_writers_other_than_0_do_not_write_plain_tensors(tmp_path):
+    """A plain tensor counts as replicated (every rank of a sharded trainer holds it)."""
+    d = CheckpointDir(tmp_path)
+    w0, w1, full = _halves(1.0)
+    d.publish(w0, 1, writer=(0, 2))
+    d.publish(w1 | {"extra": torch.ones(2)}, 1, writer=(1, 2))
+    assert set(d.load()[1]) == set(full)
+
+
+def test_a_shard_whose_name_lies_about_its_writer_is_refused(tmp_path):
+    d = CheckpointDir(tmp_path)
+    w0, w1, _ = _halves(1.0)
+    d.publish(w0, 1, writer=(0, 2))
+    p = d.publish(w1, 1, writer=(1, 2))
+    os.replace(p, tmp_path / "sync-000000000001.w00000-of-00002.safetensors")  # writer 1's file as writer 0's
+    d.publish(w1, 1, writer=(1, 2))
+    with pytest.raises(PayloadError, match="says it is writer"):
+        d.load()
+
+
+def test_names_that_only_look_like_checkpoints_are_ignored(tmp_path):
+    d = CheckpointDir(tmp_path)
+    d.publish(_state(1), 1)
+    src = tmp_path / "sync-000000000001.safetensors"
+    (tmp_path / "sync-000000000002.safetensors\n").write_bytes(src.read_bytes())  # a trailing newline
+    (tmp_path / "sync-00000000000\u0663.safetensors").write_bytes(src.read_bytes())  # an Arabic-Indic digit
+    (tmp_path / f"sync-{2**63:012d}.safetensors").write_bytes(src.read_bytes())  # above int64
+    (tmp_path / "sync-000000000009.safetensors").symlink_to(src)  # a symlink may point anywhere
+    assert d.versions() == [(1, src)]
+
+
+# ------------------------------------------------------------------ the CHECKPOINT method with two writers
+
+async def test_the_synchronizer_publishes_a_version_only_when_every_writer_wrote_its_shard(tmp_path):
+    import anyio
+
+    from aiosync.coordination import Synchronizer
+    from helpers import HANG_GUARD, PATCH, holds, train_to, trainer_state
+
+    state = trainer_state()
+    other = CheckpointDir(tmp_path)  # the other trainer rank, writer 1 (its plain tensors are writer 0's)
+    cfg = dict(method="checkpoint", checkpoint_dir=str(tmp_path), checkpoint_writers=2, style="trainer_driven",
+               sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD * 2):
+        async with Synchronizer(cfg, PATCH) as sync:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: sync.attach_trainer(state, writer_rank=0))
+                other.publish({}, 0, writer=(1, 2))  # version 0, writer 1
+            trainer = sync.trainer
+            ex = await sync.attach_explorer("e0", rollout_model())
+            train_to(state, 1)
+            done = anyio.Event()
+
+            async def publish_1():
+                await trainer.sync_weight(1)
+                done.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publish_1)
+                with anyio.fail_after(HANG_GUARD):
+                    while not (tmp_path / "sync-000000000001.w00000-of-00002.safetensors").exists():
+                        await anyio.sleep(0.01)  # writer 0's shard is on disk, the version is not published
+                assert not done.is_set() and other.newest_version() == 0 and trainer.version == 0
+                other.publish({}, 1, writer=(1, 2))
+                await done.wait()
+            assert trainer.version == 1 and other.newest_version() == 1
+            assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
+            other.publish({}, 2, writer=(1, 2))
+            train_to(state, 2)
+            await trainer.sync_weight(2)  # writer 1's shard is already in: published at once
+            await trainer.stop()
+    assert ex.version == 2 and holds(ex.slot.model, 2)
+
+
+def test_two_writers_need_a_writer_rank(tmp_path):
+    import anyio
+
+    from aiosync.coordination import Synchronizer
+    from aiosync.errors import ConfigError
+    from helpers import PATCH, trainer_state
+
+    async def attach(**kw):
+        async with Synchronizer(dict(method="checkpoint", checkpoint_dir=str(tmp_path), checkpoint_writers=2),
+                                PATCH) as sync:
+            await sync.attach_trainer(trainer_state(), **kw)
+
+    with pytest.raises(ConfigError, match="writer_rank"):
+        anyio.run(attach)
+    with pytest.raises(ConfigError, match=r"writer_rank 2 is not in \[0, 2\)"):
+        anyio.run(lambda: attach(writer_rank=2))
+    with pytest.raises(ConfigError, match="checkpoint only"):
+        Synchronizer(dict(checkpoint_writers=2), PATCH)

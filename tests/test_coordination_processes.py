@@ -333,8 +333,79 @@ def _scenario_killed(rank: int, world: int, out: Path, extra: dict) -> dict:
     return anyio.run(explore)
 
 
+def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) -> dict:
+    """An FSDP2 trainer on two ranks, CHECKPOINT method with two writers: each rank writes its
+    own shard of every version (no rank gathers the other's); rank 0's synchronizer publishes a
+    version once both shards are in, to an explorer in its process. Rank 1 holds its shard of
+    version 2 back until rank 0 saw that the version is not published without it."""
+    import anyio
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from aiosync.checkpoints import CheckpointDir
+    from aiosync.coordination import Synchronizer
+    from aiosync.syncers import gather_full_state
+
+    dist.init_process_group("gloo")
+    steps, directory = extra["steps"], out / "ckpt"
+    torch.manual_seed(0)
+    model = _Net()
+    fully_shard(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+
+    def train_step(step: int) -> None:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        loss = model(torch.randn(8, 12, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.steps.fill_(step)
+
+    if rank == 1:
+        d = CheckpointDir(directory)
+        d.publish(model.state_dict(), 0, writer=(1, 2))
+        for step in range(1, steps + 1):
+            train_step(step)
+            if step == 2:
+                _wait_for_file(out / "go")
+            d.publish(model.state_dict(), step, writer=(1, 2))
+        gather_full_state(model)  # a collective: rank 0 gathers too, to check its explorer
+        return {"files": sorted(p.name for p in directory.iterdir())}
+
+    async def train() -> dict:
+        cfg = dict(method="checkpoint", checkpoint_dir=str(directory), checkpoint_writers=2, style="trainer_driven",
+                   sync_timeout=OP_TIMEOUT, delivery_timeout=OP_TIMEOUT)
+        held_back = None
+        async with Synchronizer(cfg, PATCH) as sync:
+            trainer = await sync.attach_trainer(model)  # writer 0: its torch.distributed rank
+            explorer = await sync.attach_explorer("e0", _Net().to(torch.bfloat16))
+            for step in range(1, steps + 1):
+                await anyio.to_thread.run_sync(train_step, step)
+                if step != 2:
+                    await trainer.step_done()
+                    continue
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(trainer.step_done)
+                    own = directory / "sync-000000000002.w00000-of-00002.safetensors"
+                    while not own.exists():
+                        await anyio.sleep(0.01)
+                    held_back = CheckpointDir(directory).newest_version()  # only writer 0's shard of 2 is in
+                    (out / "go").write_text("")
+            await trainer.stop()
+        # leaving the block drained: the explorer holds the final version
+        final, got = explorer.version, digest(explorer.slot.model.state_dict())
+        full = await anyio.to_thread.run_sync(gather_full_state, model)
+        want = digest({k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in full.items()})
+        return {"held_back": held_back, "final": final, "bit_exact": got == want}
+
+    return anyio.run(train)
+
+
 SCENARIOS = {"fsdp": _scenario_fsdp, "checkpoint": _scenario_checkpoint,
-             "late_joiner": _scenario_late_joiner, "killed": _scenario_killed}
+             "late_joiner": _scenario_late_joiner, "killed": _scenario_killed,
+             "checkpoint_writers": _scenario_checkpoint_writers}
 
 
 # ------------------------------------------------------------------ the tests
@@ -401,3 +472,13 @@ def test_example_runs_under_torchrun():
     report = json.loads(line)
     assert report["explorers"] == 2 and report["final_version"] == 20
     assert report["bit_exact"] is True and report["bytes_sent"] > 0
+
+
+def test_a_sharded_trainer_whose_ranks_each_write_a_checkpoint_shard(tmp_path):
+    steps = 4
+    procs = start(__name__, "checkpoint_writers", 2, tmp_path, {"steps": steps})
+    join(procs)
+    r = results(tmp_path, [0, 1])
+    assert r[0]["held_back"] == 1  # version 2 was not published while writer 1's shard was missing
+    assert r[0]["final"] == steps and r[0]["bit_exact"]
+    assert r[1]["files"] == [f"sync-{steps:012d}.w0000{i}-of-00002.safetensors" for i in (0, 1)]

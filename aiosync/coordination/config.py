@@ -53,6 +53,8 @@ class SynchronizerConfig:
     * ``delivery_timeout``: the longest one delivery (build, transfer, apply, including waiting
       for leases to end) may take before the link gives it up and re-bootstraps the explorer.
     * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it).
+    * ``checkpoint_writers``: trainer ranks that each write a shard of every version (a sharded
+      trainer, e.g. FSDP2); a version is published once all are in (``checkpoint`` only).
     * ``liveness_timeout``: an explorer that runs but shows no sign of life (no call into its API,
       no lease held) for this long is declared lost: handshakes stop waiting for it.
     """
@@ -69,6 +71,7 @@ class SynchronizerConfig:
     max_ahead: int | None = None
     delivery_timeout: float = 600.0
     checkpoint_dir: str | None = None
+    checkpoint_writers: int = 1
     liveness_timeout: float = 60.0
 
     def __post_init__(self) -> None:
@@ -116,6 +119,12 @@ class SynchronizerConfig:
             raise ConfigError(f"synchronizer.staleness_decay must be a number in [0, 1], got {self.staleness_decay!r}")
         if self.method is SyncMethod.CHECKPOINT and not self.checkpoint_dir:
             raise ConfigError("synchronizer.method: checkpoint needs synchronizer.checkpoint_dir (a directory path)")
+        if not _is_int(self.checkpoint_writers) or self.checkpoint_writers < 1:
+            raise ConfigError(f"synchronizer.checkpoint_writers must be an integer >= 1 (trainer ranks writing "
+                              f"shards), got {self.checkpoint_writers!r}")
+        if self.checkpoint_writers > 1 and self.method is not SyncMethod.CHECKPOINT:
+            raise ConfigError(f"synchronizer.checkpoint_writers={self.checkpoint_writers} applies to method: "
+                              f"checkpoint only (method is {self.method.value}); set checkpoint_writers: 1")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
             self.checkpoint_dir = str(self.checkpoint_dir)
 

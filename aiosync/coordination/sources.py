@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import torch
 
 from ..aio import run_sync
 from ..checkpoints import CheckpointDir, check_tensors_fit
-from ..errors import VersionError
+from ..errors import PeerTimeoutError, VersionError
 
 
 @dataclass(eq=False)
@@ -201,21 +202,51 @@ class CheckpointSource(Source):
     Only synced keys are written; the others (never synced, so never changing) are taken from
     the trainer's tensors when a file is loaded. A loaded file must fit the trainer's tensors
     (keys, shapes, dtype kinds), or it is refused.
+
+    With ``writers`` > 1 (a sharded trainer whose ranks all write), this process is writer
+    ``writer_rank``: it writes its shard, and a version counts as published only once every
+    writer's shard is in (other processes write theirs with ``CheckpointDir.publish(...,
+    writer=(rank, writers))``); the wait is bounded by ``complete_timeout``.
     """
 
     directory: CheckpointDir | None = None
     live: Callable[[], Mapping[str, torch.Tensor]] | None = None
+    writers: int = 1
+    writer_rank: int = 0
+    complete_timeout: float = 60.0
     _cache: Published | None = None
 
     async def publish(self, live: Mapping[str, torch.Tensor], names: list[str], version: int) -> Published:
         self._check_version(version)
         t0 = time.perf_counter()
-        await run_sync(self.directory.publish, {k: live[k] for k in names}, version)
+        writer = None if self.writers == 1 else (self.writer_rank, self.writers)
+        await run_sync(functools.partial(self.directory.publish, {k: live[k] for k in names}, version, writer=writer))
+        if writer is not None:
+            await self._wait_complete(version)
         self.publish_s = time.perf_counter() - t0
         self.seq += 1
         await self._replace(Published(version, {}, self.seq))  # tensors are loaded on demand
         self._emit("published", version)
         return self.latest
+
+    async def _wait_complete(self, version: int) -> None:
+        """Wait until the shards of every writer of ``version`` are in. The other writers are
+        other processes, so the directory is looked at again and again (every 10 ms at first,
+        backing off to 200 ms), at most ``complete_timeout`` seconds."""
+        deadline = time.monotonic() + self.complete_timeout
+        pause = 0.01
+        while True:
+            newest = await run_sync(self.directory.newest_version)
+            if newest is not None and newest >= version:
+                return
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"checkpoint version {version} in {self.directory.path}: not every one of the {self.writers} "
+                    f"writers wrote its shard within {self.complete_timeout}s (this is writer {self.writer_rank}); "
+                    "every trainer rank must publish each version with CheckpointDir.publish(..., "
+                    f"writer=(rank, {self.writers}))")
+            await anyio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.2)
 
     async def newest(self) -> Published | None:
         newest = await run_sync(self.directory.newest_version)

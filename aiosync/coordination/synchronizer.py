@@ -25,7 +25,7 @@ import anyio
 import torch
 
 from ..checkpoints import CheckpointDir
-from ..errors import DrainError, PeerTimeoutError
+from ..errors import ConfigError, DrainError, PeerTimeoutError
 from ..syncers.factory import syncer_factory
 from ..syncers.state_dicts import collect_param_names_need_sync
 from ..transports.base import Transport
@@ -89,7 +89,8 @@ class Synchronizer:
         if cfg.method is SyncMethod.MEMORY:
             source: Any = MemorySource()
         elif cfg.method is SyncMethod.CHECKPOINT:
-            source = CheckpointSource(directory=CheckpointDir(cfg.checkpoint_dir))
+            source = CheckpointSource(directory=CheckpointDir(cfg.checkpoint_dir), writers=cfg.checkpoint_writers,
+                                      complete_timeout=cfg.sync_timeout)
         else:
             source = DirectSource()
         self.hub = Hub(cfg, syncers, source, FanOut() if fan_out else None)
@@ -175,15 +176,31 @@ class Synchronizer:
     # -- attaching -------------------------------------------------------------------------
 
     async def attach_trainer(self, model: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int = 0,
-                             param_names: Iterable[str] | None = None) -> TrainerHandle:
+                             param_names: Iterable[str] | None = None,
+                             writer_rank: int | None = None) -> TrainerHandle:
         """Register the trainer's model (or state dict) and publish its weights as ``version``.
 
         Synced keys default to trainable parameters and persistent buffers of a module (W5), or
-        every key of a mapping. The trainer moves STOPPED → RUNNING.
+        every key of a mapping. The trainer moves STOPPED → RUNNING. With ``checkpoint_writers``
+        > 1, this process writes shard ``writer_rank`` of every version (default: its
+        torch.distributed rank) and the other trainer ranks write theirs.
         """
         self._require_started()
         if self.trainer is not None:
             raise RuntimeError("a trainer is already attached")
+        writers = self.config.checkpoint_writers
+        if writers > 1:
+            if writer_rank is None:
+                import torch.distributed as dist
+
+                if not (dist.is_available() and dist.is_initialized()):
+                    raise ConfigError(f"synchronizer.checkpoint_writers={writers}: pass attach_trainer(..., "
+                                      "writer_rank=) or initialise torch.distributed (its rank is the default)")
+                writer_rank = dist.get_rank()
+            if not 0 <= writer_rank < writers:
+                raise ConfigError(f"attach_trainer: writer_rank {writer_rank} is not in [0, {writers}) "
+                                  f"(synchronizer.checkpoint_writers={writers})")
+            self.hub.source.writer_rank = writer_rank
         if isinstance(model, torch.nn.Module):
             live = model.state_dict
             names = list(param_names) if param_names is not None else collect_param_names_need_sync(model)
