@@ -238,19 +238,102 @@ def test_backend_choice_errors_are_clear():
             WeightSyncGroup.init(backend="nccl")
     with pytest.raises(ValueError, match="auto, gloo or nccl"):
         WeightSyncGroup.init(backend="mpi")
-    assert _nccl_options(None, {}) is None
+    assert _nccl_options(None, {}) == (None, None)
 
 
-@pytest.mark.skipif(not hasattr(torch.distributed, "ProcessGroupNCCL"), reason="this torch build has no NCCL")
-def test_comm_options_reach_the_nccl_communicator_config(monkeypatch):
-    from aiosync.syncers.config import CommOptions
+class _FakeNcclOptions:
+    """Stands in for ``ProcessGroupNCCL.Options`` on a torch build without NCCL."""
+
+    def __init__(self) -> None:
+        self.config = type("Config", (), {"max_ctas": None, "min_ctas": None})()
+
+
+def _fake_nccl_world(monkeypatch) -> list[dict]:
+    """torch.distributed and CUDA as a GPU rank sees them, with ``new_group`` recording how each
+    group is made (and what ``NCCL_ALGO`` holds at that moment)."""
+    made: list[dict] = []
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, device_id=None, **kw):
+        made.append({"backend": backend, "pg_options": pg_options, "device_id": device_id,
+                     "NCCL_ALGO": os.environ.get("NCCL_ALGO")})
+        return f"{backend}-group-{len(made)}"
 
     monkeypatch.delenv("NCCL_ALGO", raising=False)
-    report: dict = {}
-    opts = _nccl_options(CommOptions(use_ring_sync=True, nccl_max_ctas=8, nccl_min_ctas=2), report)
-    assert (opts.config.max_ctas, opts.config.min_ctas) == (8, 2)
-    assert os.environ["NCCL_ALGO"] == "Ring"
-    assert set(report) == {"use_ring_sync", "nccl_max_ctas", "nccl_min_ctas"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: str(group).split("-")[0])
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": _FakeNcclOptions}), raising=False)
+    return made
+
+
+def test_comm_options_reach_the_nccl_communicator_and_no_environment_variable_is_left_set(monkeypatch):
+    from aiosync.syncers.config import CommOptions
+
+    made = _fake_nccl_world(monkeypatch)
+    options = CommOptions(use_ring_sync=True, nccl_max_ctas=8, nccl_min_ctas=2)
+    group = WeightSyncGroup.init(backend="nccl", comm_options=options)
+    nccl = [g for g in made if g["backend"] == "nccl"]
+    assert len(nccl) == 1 and nccl[0]["NCCL_ALGO"] == "Ring"  # set while the communicator was made...
+    assert "NCCL_ALGO" not in os.environ  # ... and only then: no other communicator sees it
+    assert nccl[0]["device_id"] is not None  # made eagerly, so NCCL reads the variable now
+    assert (nccl[0]["pg_options"].config.max_ctas, nccl[0]["pg_options"].config.min_ctas) == (8, 2)
+    assert set(group.comm_report) == {"use_ring_sync", "nccl_max_ctas", "nccl_min_ctas"}
+    t = group.transport(1)
+    assert t.data_group == "nccl-group-2" and t.comm_options is options  # every op of the channel uses it
+    assert set(t.use_comm_options(options)) == {"use_ring_sync", "nccl_max_ctas", "nccl_min_ctas"}
+    with pytest.raises(ConfigError, match="WeightSyncGroup.init\\(comm_options="):
+        t.use_comm_options(CommOptions(nccl_max_ctas=4))  # the syncer asks for other options
+    plain = WeightSyncGroup.init(backend="nccl").transport(1)  # made without options
+    assert plain.use_comm_options(CommOptions()) == {}
+    with pytest.raises(ConfigError, match="was made with"):
+        plain.use_comm_options(options)
+
+
+def test_a_process_wide_nccl_algo_is_kept_and_reported(monkeypatch):
+    from aiosync.syncers.config import CommOptions
+
+    made = _fake_nccl_world(monkeypatch)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    group = WeightSyncGroup.init(backend="nccl", comm_options=CommOptions(use_ring_sync=True))
+    assert os.environ["NCCL_ALGO"] == "Tree" and made[-1]["NCCL_ALGO"] == "Tree"
+    assert "not changed" in group.comm_report["use_ring_sync"]
+
+
+def test_comm_options_have_no_effect_on_gloo_or_in_process_and_say_so(monkeypatch):
+    from aiosync.syncers.config import CommOptions
+    from aiosync.transports.inproc import inproc_pair
+
+    _fake_nccl_world(monkeypatch)
+    options = CommOptions(use_ring_sync=True)
+    gloo = WeightSyncGroup.init(backend="gloo", comm_options=options).transport(1)
+    assert gloo.use_comm_options(options) == {"use_ring_sync": "no effect on gloo (use_ring_sync=True)"}
+    assert "no communicator" in inproc_pair()[0].use_comm_options(options)["use_ring_sync"]
+
+
+async def test_the_synchronizer_hands_its_syncers_comm_options_to_each_channel():
+    from aiosync.coordination import Synchronizer
+    from aiosync.transports.inproc import inproc_pair
+    from helpers import trainer_state
+
+    seen = []
+
+    class Recording(type(inproc_pair()[0])):
+        def use_comm_options(self, options):
+            seen.append(options)
+            return super().use_comm_options(options)
+
+    cfg = {"type": "patch", "use_ring_sync": True, "nccl_max_ctas": 2}
+    async with Synchronizer({}, cfg) as sync:
+        await sync.attach_trainer(trainer_state())
+        a, _b = inproc_pair()
+        a.__class__ = Recording
+        sync.serve_remote(a)
+    assert seen and seen[0].use_ring_sync and seen[0].nccl_max_ctas == 2
 
 
 # ------------------------------------------------------------------ process plumbing

@@ -266,6 +266,7 @@ class Explorer:
                                  "pass weight_syncer= to the explorer")
         if not isinstance(syncers, SyncerFactory):
             syncers = syncer_factory(syncers)
+        self.transport.use_comm_options(syncers.comm_options)  # W4 on this end too (ConfigError if it cannot)
         self.mux.set_timeout(cfg.delivery_timeout)
         self.applier = Applier(self.name, self.slot, self.mux.data, syncers, timeout=cfg.delivery_timeout,
                                on_busy_change=lambda busy: self._notify())

@@ -271,8 +271,16 @@ class Synchronizer:
         — now or later (S12, elastic joins) — is bootstrapped, then gets the same deliveries,
         coalescing and fan-out as an in-process explorer. Returns at once; the session runs in
         the synchronizer's task group until the synchronizer closes, the explorer leaves, or it
-        is lost (then ``explorers[name].error`` says why and the others are served on)."""
-        self._require_started().start_soon(ExplorerSession(self.hub, transport).run, name="aiosync-session")
+        is lost (then ``explorers[name].error`` says why and the others are served on).
+
+        The weight syncer's communication options (W4 ``comm_options``) are handed to the
+        transport first: one that cannot honour them raises :class:`aiosync.errors.ConfigError`
+        here, before anything is sent."""
+        tg = self._require_started()
+        report = transport.use_comm_options(self.hub.syncers.comm_options)
+        if report:
+            log.info("aiosync: comm_options on a channel: %s", "; ".join(report.values()))
+        tg.start_soon(ExplorerSession(self.hub, transport).run, name="aiosync-session")
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` explorers are attached (in this process or others) and not

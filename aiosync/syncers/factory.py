@@ -36,12 +36,15 @@ class SyncerFactory:
     * ``supports_no_wait`` — whether the syncers can apply in the background (S7).
     * ``bootstrap_unless_declared`` — a patch config with ``init_sync`` off: an explorer is
       trusted without a bootstrap only when it declares it holds the trainer's version.
+    * ``comm_options`` — W4's communication options of these syncers (``None``: defaults),
+      which the synchronizer and explorers hand to their transports.
     """
 
     make: Callable[[bool], WeightSyncer]
     config: WeightSyncerConfig | None
     supports_no_wait: bool
     bootstrap_unless_declared: bool
+    comm_options: Any = None
 
     def to_dict(self) -> dict | None:
         """The config as a plain dict (told to explorers in other processes); ``None`` for a callable."""
@@ -67,7 +70,7 @@ def syncer_factory(weight_syncer: Any) -> SyncerFactory:
                 syncer.require_full_bootstrap()
             return syncer
 
-        return SyncerFactory(make_from_callable, None, bool(probe.supports_no_wait), False)
+        return SyncerFactory(make_from_callable, None, bool(probe.supports_no_wait), False, probe.comm_options)
 
     cfg = WeightSyncerConfig.from_any(weight_syncer)
     repair = cfg
@@ -80,4 +83,4 @@ def syncer_factory(weight_syncer: Any) -> SyncerFactory:
         return WeightSyncer.create(repair if bootstrap else cfg)
 
     return SyncerFactory(make, cfg, bool(cls.supports_no_wait),
-                         cfg.type == "patch" and not cfg.patch.init_sync.enabled)
+                         cfg.type == "patch" and not cfg.patch.init_sync.enabled, cfg.comm_options)

@@ -21,6 +21,9 @@ from ..messages import RecvFn, SendFn, payload_nbytes
 
 __all__ = ["Transport", "TransportStatistics", "SendFn", "RecvFn", "payload_nbytes"]
 
+#: The names of W4's communication options (``aiosync.syncers.config.CommOptions``).
+COMM_OPTION_NAMES = ("use_ring_sync", "nccl_max_ctas", "nccl_min_ctas")
+
 
 @dataclass(frozen=True)
 class TransportStatistics:
@@ -48,6 +51,18 @@ class Transport(ABC):
     @abstractmethod
     async def recv(self) -> Any:
         """Wait for and return the next payload from the peer."""
+
+    def use_comm_options(self, options: Any) -> dict[str, str]:
+        """Use W4's communication options (``use_ring_sync``, ``nccl_max_ctas``, ``nccl_min_ctas``:
+        a ``weight_syncer``'s ``comm_options``) for this channel where the backend has them;
+        returns how each was honoured. The synchronizer and the explorer pass their syncer's
+        options here when a channel starts. A channel that cannot honour them as asked raises
+        :class:`aiosync.errors.ConfigError` saying what to change. The default: an in-process
+        channel has no communicator, so the options have no effect."""
+        if options is None or getattr(options, "is_default", True):
+            return {}
+        return {name: "no effect: this channel has no communicator" for name in COMM_OPTION_NAMES
+                if getattr(options, name, None) not in (None, False)}
 
     async def aclose(self) -> None:  # pragma: no cover - trivial default
         """Close this endpoint. The default does nothing."""

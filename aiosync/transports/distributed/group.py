@@ -11,10 +11,11 @@ are honoured where the backend has them, and ``comm_report`` says how.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,8 +56,10 @@ class WeightSyncGroup:
     backend: str
     device: torch.device | None
     timeout: float | None
-    #: How each W4 communication option was honoured, e.g. ``{"use_ring_sync": "NCCL_ALGO=Ring"}``.
+    #: How each W4 communication option was honoured, e.g. ``{"use_ring_sync": "NCCL_ALGO=Ring ..."}``.
     comm_report: dict[str, str] = field(default_factory=dict)
+    #: The W4 options the NCCL data communicator was made with (``None``: the defaults).
+    comm_options: Any = None
 
     @property
     def rank(self) -> int:
@@ -77,9 +80,14 @@ class WeightSyncGroup:
         (NCCL data when CUDA and NCCL are available, else gloo), ``gloo`` or ``nccl``.
         ``comm_options`` (:class:`aiosync.syncers.config.CommOptions`, e.g.
         ``WeightSyncerConfig.from_any(cfg).comm_options``) is honoured where the backend has it
-        (W4): NCCL gets ``max_ctas`` / ``min_ctas`` in its communicator config and
-        ``use_ring_sync`` as ``NCCL_ALGO=Ring`` for the weight-sync communicator; gloo has none
-        of these, so they are accepted, have no effect, and ``comm_report`` says so.
+        (W4), for the weight-sync communicator only: NCCL gets ``max_ctas`` / ``min_ctas`` in
+        its communicator config, and ``use_ring_sync`` the ring algorithm — NCCL reads that only
+        from ``NCCL_ALGO`` when a communicator is made, so the communicator is made eagerly here
+        with ``NCCL_ALGO=Ring`` set just for that call and restored at once: no other
+        communicator of the process sees it. gloo has none of these options: they are accepted,
+        have no effect, and ``comm_report`` says so. The synchronizer and explorers check that a
+        channel's group was made with their syncer's options
+        (:meth:`~.transport.DistributedTransport.use_comm_options`).
         ``timeout``: the per-call bound of the transports it makes.
         """
         if not dist.is_available():
@@ -100,8 +108,10 @@ class WeightSyncGroup:
         if backend == "nccl":
             device = torch.device("cuda", _env_int("LOCAL_RANK", 0) % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(device)
-            pg_options = _nccl_options(comm_options, report)
-            data_group = dist.new_group(ranks, timeout=group_timeout, backend="nccl", pg_options=pg_options)
+            pg_options, algo = _nccl_options(comm_options, report)
+            with _scoped_env("NCCL_ALGO", algo):  # eager (device_id): NCCL reads it now, and only now
+                data_group = dist.new_group(ranks, timeout=group_timeout, backend="nccl", pg_options=pg_options,
+                                            device_id=device)
         else:
             data_group = group
             if comm_options is not None and not getattr(comm_options, "is_default", True):
@@ -110,14 +120,15 @@ class WeightSyncGroup:
                     if value not in (None, False):
                         report[name] = f"accepted; no effect on gloo ({name}={value})"
                 log.info("aiosync: weight-sync group on gloo: %s", "; ".join(report.values()))
-        return cls(group, data_group, backend, device, timeout, report)
+        keep = comm_options if backend == "nccl" and comm_options is not None else None
+        return cls(group, data_group, backend, device, timeout, report, keep)
 
     def transport(self, peer: int, *, timeout: float | None | str = "group", tag: int = DEFAULT_TAG
                   ) -> DistributedTransport:
         """A :class:`DistributedTransport` to ``peer`` over these groups. The peer must make the
         matching one (with this rank as its ``peer`` and the same ``tag``)."""
         t = self.timeout if timeout == "group" else timeout
-        return DistributedTransport(peer, self.group, self.data_group, self.device, t, tag)
+        return DistributedTransport(peer, self.group, self.data_group, self.device, t, tag, self.comm_options)
 
     async def broadcast(self, payload: Any = None, *, src: int, timeout: float | None | str = "group") -> Any:
         """Fan one payload out from ``src`` to every rank of the group (a collective: every rank
@@ -182,11 +193,12 @@ class WeightSyncGroup:
                 pass
 
 
-def _nccl_options(comm_options: Any, report: dict[str, str]) -> Any:
-    """ProcessGroupNCCL options carrying W4's ``nccl_max_ctas`` / ``nccl_min_ctas``; ``use_ring_sync``
-    becomes ``NCCL_ALGO=Ring`` (NCCL reads it when the communicator is created, lazily, on first use)."""
+def _nccl_options(comm_options: Any, report: dict[str, str]) -> tuple[Any, str | None]:
+    """ProcessGroupNCCL options carrying W4's ``nccl_max_ctas`` / ``nccl_min_ctas``, and the
+    ``NCCL_ALGO`` value ``use_ring_sync`` asks for while the communicator is made (``None``:
+    leave the environment alone). Nothing here changes the environment."""
     if comm_options is None or getattr(comm_options, "is_default", True):
-        return None
+        return None, None
     opts = dist.ProcessGroupNCCL.Options()
     if comm_options.nccl_max_ctas is not None:
         opts.config.max_ctas = comm_options.nccl_max_ctas
@@ -194,12 +206,31 @@ def _nccl_options(comm_options: Any, report: dict[str, str]) -> Any:
     if comm_options.nccl_min_ctas is not None:
         opts.config.min_ctas = comm_options.nccl_min_ctas
         report["nccl_min_ctas"] = f"ncclConfig.minCTAs={comm_options.nccl_min_ctas}"
+    algo = None
     if comm_options.use_ring_sync:
         current = os.environ.get("NCCL_ALGO")
         if current and current.lower() != "ring":
-            log.warning("aiosync: use_ring_sync is set but NCCL_ALGO=%s is already set; keeping it", current)
-            report["use_ring_sync"] = f"NCCL_ALGO already set to {current}; not changed"
+            log.warning("aiosync: use_ring_sync is set but NCCL_ALGO=%s is already set for the process; keeping it",
+                        current)
+            report["use_ring_sync"] = f"NCCL_ALGO already set to {current} for the process; not changed"
         else:
-            os.environ["NCCL_ALGO"] = "Ring"
-            report["use_ring_sync"] = "NCCL_ALGO=Ring"
-    return opts
+            algo = "Ring"
+            report["use_ring_sync"] = "NCCL_ALGO=Ring while the weight-sync communicator was made (not kept)"
+    return opts, algo
+
+
+@contextlib.contextmanager
+def _scoped_env(name: str, value: str | None) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` for the block only (``None``: untouched)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

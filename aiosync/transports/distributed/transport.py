@@ -32,8 +32,8 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ...errors import ClosedResourceError, PayloadError, PeerTimeoutError, TransportError
-from ..base import Transport, TransportStatistics
+from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
+from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
 from .wire import Prefix, decode_message, encode_cached
 
@@ -80,6 +80,11 @@ class _Incoming:
     body_ops: list = field(default_factory=list)
 
 
+def _comm_tuple(options: Any) -> tuple:
+    """W4's options as a comparable tuple (``None``: the defaults)."""
+    return tuple(getattr(options, name, None) or None for name in COMM_OPTION_NAMES)
+
+
 @dataclass(eq=False)
 class DistributedTransport(Transport):
     """One end of a point-to-point channel to rank ``peer`` over torch.distributed.
@@ -103,6 +108,8 @@ class DistributedTransport(Transport):
     device: torch.device | None = None
     timeout: float | None = 600.0
     tag: int = DEFAULT_TAG
+    #: The W4 options ``data_group``'s NCCL communicator was made with (``None``: defaults).
+    comm_options: Any = None
     stats: DistributedStats = field(default_factory=DistributedStats)
     #: Why the channel is unusable (the peer died, a frame was corrupt), or ``None``.
     broken: BaseException | None = None
@@ -164,6 +171,25 @@ class DistributedTransport(Transport):
             raise self._fail(exc, what) from exc
 
     # -- Transport -----------------------------------------------------------------
+
+    def use_comm_options(self, options: Any) -> dict[str, str]:
+        """W4 on this channel. Over gloo the options have no effect (gloo has none of them).
+        Over NCCL they are properties of the communicator, fixed when it is made: this
+        channel's ``data_group`` must have been made with the same options
+        (``WeightSyncGroup.init(comm_options=...)``), else :class:`ConfigError` says so."""
+        wanted = _comm_tuple(options)
+        if not any(wanted):
+            return {}
+        if self._data_threaded:
+            return {name: f"no effect on gloo ({name}={value})" for name, value in zip(COMM_OPTION_NAMES, wanted) if value}
+        have = _comm_tuple(self.comm_options)
+        if have != wanted:
+            raise ConfigError(
+                f"the weight syncer asks for comm_options {dict(zip(COMM_OPTION_NAMES, wanted))}, but the NCCL "
+                f"communicator of the channel to rank {self.peer} was made with {dict(zip(COMM_OPTION_NAMES, have))}: "
+                "NCCL fixes them when a communicator is made. Make the group with "
+                "WeightSyncGroup.init(comm_options=WeightSyncerConfig.from_any(cfg).comm_options) on every rank")
+        return {name: f"{name}={value} (NCCL communicator)" for name, value in zip(COMM_OPTION_NAMES, wanted) if value}
 
     async def send(self, payload: Any) -> None:
         """Send one payload; returns when the peer received all of it.
