@@ -75,3 +75,16 @@ def test_toy_policy_versions_are_recognisable():
     assert policy.matches(v4, 4, {}) and not policy.matches(v4, 3, {})
     torn = {k: (v3[k] if k == "block.w1" else v4[k]) for k in v4}  # half old, half new
     assert not policy.matches(torn, 4, {}) and not policy.matches(torn, 3, {})
+
+
+def test_admission_control_wastes_no_rollout_where_filtering_alone_drops_them():
+    # The slow scenario's shape, scaled down in time: a link 10x slower than a train step.
+    shape = dict(step_time=0.01, explore_time=0.005, latency=0.1, jitter=0.002)
+    filtered = simulate("slow", 2, steps=20, **shape)
+    admitted = simulate("slow", 2, steps=20, max_ahead=1, **shape)
+    check_correct(admitted, 2)
+    assert filtered["staleness"]["max_staleness_allowed"] == admitted["staleness"]["max_staleness_allowed"] == 2
+    assert filtered["rollouts_wasted"] > 0  # old samples were made, then dropped
+    assert admitted["rollouts_wasted"] == 0 and admitted["rollouts"] > 0
+    assert admitted["max_staleness_used"] <= 2
+    assert admitted["admission"]["trainer_waits"] > 0 and admitted["admission"]["trainer_timeouts"] == 0
