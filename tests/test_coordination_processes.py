@@ -91,6 +91,17 @@ class _Net(torch.nn.Module):
         return self.norm(x + self.out(torch.relu(self.fc(x))))
 
 
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """One AdamW step on this trainer rank's own data; the ``steps`` buffer stamps the step."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    loss = model(torch.randn(8, 12, generator=g)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        model.steps.fill_(step)
+
+
 def _scenario_fsdp(rank: int, world: int, out: Path, extra: dict) -> dict:
     import anyio
 
@@ -130,13 +141,7 @@ def _scenario_fsdp(rank: int, world: int, out: Path, extra: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
 
     def train_step(step: int) -> dict:
-        g = torch.Generator().manual_seed(100 * step + rank)  # each trainer rank its own data
-        loss = model(torch.randn(8, 12, generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            model.steps.fill_(step)
+        _train_step(model, opt, step, rank)
         return gather_full_state(model)  # a collective over the FSDP group, on both ranks
 
     live = gather_full_state(model)  # version 0; every FSDP rank gathers, in the same order
@@ -355,13 +360,7 @@ def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
 
     def train_step(step: int) -> None:
-        g = torch.Generator().manual_seed(100 * step + rank)
-        loss = model(torch.randn(8, 12, generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            model.steps.fill_(step)
+        _train_step(model, opt, step, rank)
 
     if rank == 1:
         d = CheckpointDir(directory)
