@@ -31,7 +31,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from .kernels import GROUP_BLOCKS, _cast_bf16, _flatten, _load, _popcount64, _tz64, _width, _zigzag, mix64, unzigzag
-from .rans import flush, get_value, put_value, start_state, symbol_of
+from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
 
 N_CLASSES = 4
 N_VCTX = 16
@@ -76,6 +76,16 @@ def select64(m, r):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def next_in(m, r, pc):  # pragma: no cover - compiled
+    """Index of the ``r``-th set bit of ``m`` (``pc`` = popcount(m)), or 64 when ``r >= pc``;
+    branch-free with pdep."""
+    if FAST_PDEP:
+        src = np.uint64(r < pc) << np.uint64(min(r, 63))
+        return np.int64(_tz64(_pdep64(src, m)))
+    return select64(m, r) if r < pc else np.int64(64)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def exp_bin(bits, mmask, mant_bits, bias):  # pragma: no cover - compiled
     """The statistics bin of an element: its exponent, centred on the dtype's bias, in [0, 255]."""
     e = np.int64((np.uint64(bits) & mmask) >> np.uint64(mant_bits)) - bias + 128
@@ -87,19 +97,6 @@ def value_ctx(bits, mmask, mant_bits, vtop):  # pragma: no cover - compiled
     """The value-code context of an element: how many octaves its old value lies below ``vtop``."""
     e = np.int64((np.uint64(bits) & mmask) >> np.uint64(mant_bits))
     return min(max(vtop - e, 0), N_VCTX - 1)
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _thermo(snap, s, n, t, mm):  # pragma: no cover - compiled
-    """Mask of the elements ``i < n`` of the block at ``s`` with ``snap & mm >= t``."""
-    a = np.uint64(0)
-    if n == 64:
-        for i in range(64):
-            a |= np.uint64((snap[s + i] & mm) >= t) << np.uint64(i)
-    else:
-        for i in range(n):
-            a |= np.uint64((snap[s + i] & mm) >= t) << np.uint64(i)
-    return a
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -267,16 +264,20 @@ def count_symbols(rec_gap, rec_ctx, rec_z, n, wslot, hist):  # pragma: no cover 
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf):  # pragma: no cover - compiled
-    """rANS-code one segment's records backwards into the end of ``buf``; returns the index in
-    ``buf`` where the stream starts. ``tmap`` maps context ids to rows of ``enc``.
+def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, bufg, bufv):  # pragma: no cover - compiled
+    """rANS-code one segment's records backwards into the ends of ``bufg`` (gaps) and ``bufv``
+    (value codes); returns where each stream starts. ``tmap`` maps context ids to rows of ``enc``.
 
-    Decoding order (the reverse): the first gap of each class that has changes (classes in
-    order), then for every change in position order its value code, then, unless it is the
-    last change of its class, the gap to its class's next change.
+    Gaps and value codes are two streams with a coder state each (the decoder's two dependency
+    chains run in parallel); each stream starts with its state's final value (four bytes).
+    Decoding order (the reverse of the coding order): the first gap of each class that has
+    changes (classes in order), then for every change in position order its value code, then,
+    unless it is the last change of its class, the gap to its class's next change.
     """
-    p = buf.shape[0]
-    x = np.uint64(1 << 23)
+    pg = bufg.shape[0]
+    pv = bufv.shape[0]
+    xg = np.uint64(RANS_L)
+    xv = np.uint64(RANS_L)
     pend = np.zeros(N_CLASSES, np.uint64)
     has = np.zeros(N_CLASSES, np.bool_)
     tg = wslot * N_CLASSES
@@ -285,27 +286,28 @@ def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf):  # pragma
         c = np.int64(rec_ctx[i] & 3)
         v = np.int64(rec_ctx[i] >> 2)
         if has[c]:
-            x, p = put_value(x, buf, p, enc, tmap[tg + c], pend[c])
-        x, p = put_value(x, buf, p, enc, tmap[tv + v], np.uint64(rec_z[i]) - np.uint64(1))
+            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
+        xv, pv = put_value(xv, bufv, pv, enc, tmap[tv + v], np.uint64(rec_z[i]) - np.uint64(1))
         pend[c] = np.uint64(rec_gap[i])
         has[c] = True
     for c in range(N_CLASSES - 1, -1, -1):
         if has[c]:
-            x, p = put_value(x, buf, p, enc, tmap[tg + c], pend[c])
-    return flush(x, buf, p)
+            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
+    return flush(xg, bufg, pg), flush(xv, bufv, pv)
 
 
 # ------------------------------------------------------------------ the receiver
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def decode_segment(old, buf, p0, p1, thr, mm, stat, counts, slots, freq, start, tmap, wslot, out_pos, out_z,
+def decode_segment(old, buf, p0, pm, p1, thr, mm, stat, counts, slots, freq, start, tmap, wslot, out_pos, out_z,
                    base):  # pragma: no cover - compiled
     """Decode one segment against the receiver's old bits ``old`` (the segment's elements,
     read only): positions (``base`` + index, into ``out_pos``) and value codes (``out_z``), in
-    position order. ``counts`` are the changes per class the patch announces; ``tmap`` maps
-    context ids to table rows (``-1``: no table). Returns the number of changes, or a negative
-    error: -1 the stream ends early, -2 a change lies beyond the segment, -3 a value code out
-    of range for the dtype, -4 bytes left over or a wrong final state, -5 a symbol of a
-    context without a table.
+    position order. Its gap stream is ``buf[p0:pm]``, its value stream ``buf[pm:p1]``.
+    ``counts`` are the changes per class the patch announces; ``tmap`` maps context ids to
+    table rows (``-1``: no table). Returns the number of changes, or a negative error: -1 a
+    stream ends early, -2 a change lies beyond the segment, -3 a value code out of range for
+    the dtype, -4 bytes left over or a wrong final state, -5 a symbol of a context without a
+    table.
     """
     width = _width(old)
     n = old.shape[0]
@@ -321,17 +323,17 @@ def decode_segment(old, buf, p0, p1, thr, mm, stat, counts, slots, freq, start, 
     for c in range(N_CLASSES):
         left[c] = counts[c]
         total += counts[c]
+        if counts[c] and tmap[tg + c] < 0:
+            return -5
     if total == 0:
-        return 0 if p1 == p0 else -4
-    x, p = start_state(buf, p0, p1)
-    if p < 0:
+        return 0 if p1 == p0 and pm == p0 else -4
+    xg, p = start_state(buf, p0, pm)
+    xv, q = start_state(buf, pm, p1)
+    if p < 0 or q < 0:
         return -1
     for c in range(N_CLASSES):
         if left[c]:
-            t = tmap[tg + c]
-            if t < 0:
-                return -5
-            g, x, p = get_value(x, buf, p, p1, slots, freq, start, t)
+            g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
             if g >= np.uint64(n):
                 return -2
             target[c] = np.int64(g)
@@ -340,57 +342,70 @@ def decode_segment(old, buf, p0, p1, thr, mm, stat, counts, slots, freq, start, 
     pc = np.zeros(N_CLASSES, np.int64)
     ms = np.zeros(N_CLASSES, np.uint64)
     nblocks = (n + 63) // 64
+    one = np.uint64(1)
     for b in range(nblocks):
         if k == total:
             break
         s = b * 64
         e = min(n, s + 64)
-        a1 = _thermo(old, s, e - s, t1, msk)
-        a2 = _thermo(old, s, e - s, t2, msk)
-        a3 = _thermo(old, s, e - s, t3, msk)
-        valid = np.uint64(0xFFFFFFFFFFFFFFFF) if e - s == 64 else (np.uint64(1) << np.uint64(e - s)) - np.uint64(1)
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        a3 = np.uint64(0)
+        if e - s == 64:
+            for i in range(64):
+                a1 |= np.uint64((old[s + i] & msk) >= t1) << np.uint64(i)
+            for i in range(64):
+                a2 |= np.uint64((old[s + i] & msk) >= t2) << np.uint64(i)
+            for i in range(64):
+                a3 |= np.uint64((old[s + i] & msk) >= t3) << np.uint64(i)
+            valid = np.uint64(0xFFFFFFFFFFFFFFFF)
+        else:
+            for i in range(e - s):
+                v = old[s + i] & msk
+                a1 |= np.uint64(v >= t1) << np.uint64(i)
+                a2 |= np.uint64(v >= t2) << np.uint64(i)
+                a3 |= np.uint64(v >= t3) << np.uint64(i)
+            valid = (one << np.uint64(e - s)) - one
         ms[0], ms[1], ms[2], ms[3] = _class_masks(a1, a2, a3, valid)
         for c in range(N_CLASSES):
             pc[c] = np.int64(_popcount64(ms[c]))
-            cand[c] = select64(ms[c], target[c]) if left[c] and target[c] < pc[c] else 64
+            cand[c] = next_in(ms[c], target[c], pc[c]) if left[c] else 64
         while True:
-            c = 0
-            for cc in range(1, N_CLASSES):
-                if cand[cc] < cand[c]:
-                    c = cc
-            j = cand[c]
+            j01 = min(cand[0], cand[1])
+            j23 = min(cand[2], cand[3])
+            j = min(j01, j23)
             if j >= 64:
                 break
+            c = (0 if cand[0] == j01 else 1) if j01 <= j23 else (2 if cand[2] == j23 else 3)
             pos = s + j
             o = old[pos]
             t = tmap[tv + value_ctx(o, mmask, mant_bits, vtop)]
             if t < 0:
                 return -5
-            v, x, p = get_value(x, buf, p, p1, slots, freq, start, t)
-            if p > p1:
+            v, xv, q = get_value(xv, buf, q, p1, slots, freq, start, t)
+            if q > p1:
                 return -1
             if v >= zmax:
                 return -3
             out_pos[k] = base + pos
-            out_z[k] = v + np.uint64(1)
+            out_z[k] = v + one
             k += 1
             left[c] -= 1
             cand[c] = 64
             if left[c]:
-                g, x, p = get_value(x, buf, p, p1, slots, freq, start, tmap[tg + c])
+                g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
                 if g >= np.uint64(n):
                     return -2
                 target[c] += np.int64(g) + 1
-                if target[c] < pc[c]:
-                    cand[c] = select64(ms[c], target[c])
+                cand[c] = next_in(ms[c], target[c], pc[c])
         for c in range(N_CLASSES):
             if left[c]:
                 target[c] -= pc[c]
     if k != total:
         return -2
-    if p > p1:
+    if p > pm or q > p1:
         return -1
-    if p != p1 or x != np.uint64(1 << 23):
+    if p != pm or q != p1 or xg != np.uint64(RANS_L) or xv != np.uint64(RANS_L):
         return -4
     return k
 

@@ -74,11 +74,12 @@ def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
     hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
     kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], hist)
     _, freqs, tmap = build_tables([hist])
-    buf = np.empty(8 + 20 * (k + 4), np.uint8)
-    p = kc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], buf)
-    pos, codes = np.empty(k, np.int64), np.empty(k, np.uint64)
-    kc.decode_segment(snap, buf, p, buf.size, thr, mm, stat, counts, *decoder_tables(freqs), tmap, WIDTH_SLOT[w], pos,
-                      codes, 0)
+    bufg, bufv = np.empty(8 + 20 * (k + 4), np.uint8), np.empty(8 + 20 * (k + 4), np.uint8)
+    pg, pv = kc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], bufg, bufv)
+    buf = np.concatenate([bufg[pg:], bufv[pv:]])
+    pos, codes = np.empty(k, np.int64), np.empty(k, dt)
+    kc.decode_segment(snap, buf, 0, bufg.size - pg, buf.size, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
+                      WIDTH_SLOT[w], pos, codes, 0)
     target, old = snap.copy(), np.empty(k, dt)
     kc.write_codes(target, pos, codes, old)
     kc.restore_codes(target, pos, old)

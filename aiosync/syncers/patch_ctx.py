@@ -256,12 +256,14 @@ def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], 
     def one(job):
         d, seg = job
         if not seg.n:
-            return np.empty(0, np.uint8)
-        buf = np.empty(8 + 20 * (seg.n + 4), np.uint8)
-        p = kc.encode_segment(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)], buf)
-        return buf[p:]
+            return np.empty(0, np.uint8), 0
+        bound = 8 + 20 * (seg.n + 4)  # at most 12 + 63 bits per symbol and two symbols per change
+        bufg, bufv = np.empty(bound, np.uint8), np.empty(bound, np.uint8)
+        pg, pv = kc.encode_segment(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)], bufg, bufv)
+        return np.concatenate([bufg[pg:], bufv[pv:]]), bound - pg
 
-    streams = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
+    coded = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
+    streams = [c for c, _ in coded]
     model = [int(used.size)]
     for row, cid in enumerate(used):
         f = freqs[row]
@@ -269,9 +271,8 @@ def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], 
         model += [int(cid), nsym, *f[:nsym].tolist()]
     for d in diffs:
         model += [*d.thr, d.vtop]
-    for d in diffs:
-        for seg in d.segments:
-            model += seg.counts.tolist()
+    for (d, seg), (_, glen) in zip(jobs, coded):
+        model += [*seg.counts.tolist(), glen]
     cat = np.concatenate(streams) if streams else np.empty(0, np.uint8)
     return cat, [s.size for s in streams], model
 

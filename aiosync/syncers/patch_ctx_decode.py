@@ -41,6 +41,7 @@ class CtxHeader:
     start: np.ndarray
     params: list[tuple[int, int, int, int]]  # per tensor: three thresholds, value top
     counts: list[np.ndarray]  # per tensor: (segments, classes) changes
+    gap_lens: list[list[int]]  # per tensor and segment: bytes of its gap stream (its value stream follows)
 
 
 def _ints(values: torch.Tensor) -> list[int]:
@@ -89,18 +90,19 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
             raise PayloadError(f"ctx patch parameters of tensor ordinal {o} are malformed (thresholds must be "
                                "nondecreasing and fit the dtype)")
         params.append((t1, t2, t3, vtop))
-    seg_counts = []
+    seg_counts, gap_lens = [], []
     for o, n in zip(ords, counts):
         k = n_segments(layouts[o].numel)
-        c = np.array(take(k * kc.N_CLASSES, "the class counts"), np.int64).reshape(k, kc.N_CLASSES)
-        if int(c.sum()) != n:
-            raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c.sum())}, but "
+        c = np.array(take(k * (kc.N_CLASSES + 1), "the class counts"), np.int64).reshape(k, kc.N_CLASSES + 1)
+        if int(c[:, :-1].sum()) != n:
+            raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c[:, :-1].sum())}, but "
                                f"nnz_per_tensor says {n}")
-        seg_counts.append(c)
+        seg_counts.append(np.ascontiguousarray(c[:, :-1]))
+        gap_lens.append(c[:, -1].tolist())
     if pos != len(ints):
         raise PayloadError(f"ctx patch model header has {len(ints) - pos} values left over (malformed)")
     slots, freq, start = decoder_tables(freqs)
-    return CtxHeader(tmap, slots, freq, start, params, seg_counts)
+    return CtxHeader(tmap, slots, freq, start, params, seg_counts, gap_lens)
 
 
 def old_bits(t: torch.Tensor) -> np.ndarray:
@@ -117,7 +119,7 @@ def old_bits(t: torch.Tensor) -> np.ndarray:
 def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list[torch.Tensor],
                pool=None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Decode every tensor of a ``ctx`` patch against ``targets`` (the receiver's tensors, in
-    ``ords`` order; read only). Returns per tensor ``(positions int64, value codes uint64)``."""
+    ``ords`` order; read only). Returns per tensor ``(positions int64, value codes)`` (codes unsigned, of the element's width)."""
     cols = patch.cols
     if not isinstance(cols, torch.Tensor) or cols.dtype != torch.uint8:
         raise PayloadError("ctx patch streams (cols) must be a uint8 tensor")
@@ -137,18 +139,20 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
     for i, (o, c) in enumerate(zip(ords, head.counts)):
         lay = layouts[o]
         for k in range(c.shape[0]):
-            nb = seg_bytes[si]
-            jobs.append((i, k, off, off + nb))
+            nb, gl = seg_bytes[si], head.gap_lens[i][k]
+            if not 0 <= gl <= nb:
+                raise PayloadError(f"ctx patch gap stream of tensor ordinal {o} (segment {k}) is longer than its segment")
+            jobs.append((i, k, off, off + gl, off + nb))
             off += nb
             si += 1
     bits = [old_bits(t) for t in targets]
     out_pos = [np.empty(n, np.int64) for n in counts]
-    out_z = [np.empty(n, np.uint64) for n in counts]
+    out_z = [np.empty(n, _UINT[layouts[o].elem_size]) for o, n in zip(ords, counts)]
     firsts = [np.concatenate([[0], np.cumsum(c.sum(axis=1))]) for c in head.counts]
     fmts = [ctx_format(layouts[o].dtype, layouts[o].elem_size) for o in ords]
 
     def one(job):
-        i, k, p0, p1 = job
+        i, k, p0, pm, p1 = job
         o = ords[i]
         lay = layouts[o]
         magmask, mant, bias = fmts[i]
@@ -157,7 +161,7 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
         t1, t2, t3, vtop = head.params[i]
         thr = np.array([t1, t2, t3], old.dtype)
         a, b = firsts[i][k], firsts[i][k + 1]
-        rc = kc.decode_segment(old[s:e], buf, p0, p1, thr, np.array([magmask], old.dtype),
+        rc = kc.decode_segment(old[s:e], buf, p0, pm, p1, thr, np.array([magmask], old.dtype),
                                np.array([mant, bias, vtop], np.int64), head.counts[i][k], head.slots, head.freq,
                                head.start, head.tmap, WIDTH_SLOT[lay.elem_size], out_pos[i][a:b], out_z[i][a:b], s)
         if rc < 0:
@@ -185,3 +189,4 @@ def decode_ctx_patch(patch, layouts, target_of, pool=None) -> list:
 
 
 _NO_PAYLOAD = torch.empty(0, dtype=torch.uint8)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

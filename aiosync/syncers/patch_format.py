@@ -297,7 +297,7 @@ class DecodedTensor:
     gaps: Any = None  # numpy uint8 gap stream (CPU flat), else None
     gap_start: int = 0
     gap_end: int = 0
-    zcodes: Any = None  # ``ctx``: numpy uint64 value codes, one per position (positions in decoding order)
+    zcodes: Any = None  # ``ctx``: numpy value codes (unsigned, the element's width), one per position
 
     def __post_init__(self) -> None:
         if self._positions is not None:
@@ -316,7 +316,7 @@ class DecodedTensor:
     def codes(self) -> torch.Tensor:
         """The zig-zag value codes (int64, same device as the payload) of a ``flat`` or ``ctx`` tensor."""
         if self.zcodes is not None:
-            return torch.from_numpy(self.zcodes.view(np.int64))
+            return torch.from_numpy(self.zcodes.astype(np.uint64).view(np.int64))
         n = self.count
         c = self.nib_off + torch.arange(n, device=self.payload.device)
         q = (self.payload[c >> 1].to(torch.int64) >> ((c & 1) * 4)) & 15

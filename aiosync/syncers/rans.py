@@ -7,17 +7,20 @@ what a prefix code such as zstd's Huffman stage cannot do (it spends at least on
 symbol). This matters here: most changes of an RL step move a value by one unit in the last
 place, and most of the elements a position code skips are nearly certain not to change.
 
-The state is kept in ``[RANS_L, RANS_L << 8)`` (a 32-bit integer held in a uint64); it is
-renormalised a byte at a time. Encoding runs backwards (the decoder reads symbols in the
-reverse of the order they were encoded), so an encoder writes its bytes from the end of a
-buffer towards the front and flushes its final state as four little-endian bytes in front of
-them; the decoder reads those four bytes first and finishes, after the last symbol, in the
-encoder's initial state ``RANS_L`` with every byte consumed (a free integrity check).
+The state is kept in ``[RANS_L, RANS_L << 16)`` (``RANS_L = 2**15``; a 31-bit integer held in
+a uint64) and renormalised 16 bits at a time, so every coding step moves at most one 16-bit
+word (no data-dependent loop). Encoding runs backwards (the decoder reads symbols in the
+reverse of the order they were encoded), so an encoder writes its words (little-endian) from
+the end of a buffer towards the front and flushes its final state as four little-endian bytes
+in front of them; the decoder reads those first and finishes, after the last symbol, in the
+encoder's initial state ``RANS_L`` with every byte consumed (a free integrity check). Several
+states may share one stream (interleaving): each step reads or writes the word of the state
+it codes, so the decoder only has to visit the states in the mirror order of the encoder.
 
 Integers are coded as a *symbol* plus *raw bits*: values below ``DIRECT`` are their own
 symbol; a larger value of bit length ``b`` is the symbol ``DIRECT + 2 (b - 5) + s`` (``s`` is
 its second-highest bit) followed by its ``b - 2`` low bits, coded as uniform symbols of at
-most 16 bits, the lowest piece first. The frequency tables are static per patch (built by the
+most 15 bits, the lowest piece first. The frequency tables are static per patch (built by the
 sender from the patch itself, sent with it) and divide ``2**PROB_BITS``; the encoder avoids
 division with per-symbol reciprocals.
 """
@@ -32,10 +35,10 @@ from numba.extending import intrinsic
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
-RANS_L = 1 << 23
+RANS_L = 1 << 15
 DIRECT = 16
 NSYM = DIRECT + 2 * 59 + 2  # symbols of 0 … 2**64 - 1: 136
-RAW_PIECE = 16
+RAW_PIECE = 15
 
 # encoder table columns (uint64): x_max, reciprocal, reciprocal shift, bias, complement of freq
 _XMAX, _RCP, _SHIFT, _BIAS, _CMPL = range(5)
@@ -65,37 +68,47 @@ def symbol_of(v):  # pragma: no cover - compiled
     return np.int64(DIRECT + 2 * (b - 5)) + s, b - 2
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def symbol_base(sym):  # pragma: no cover - compiled
-    """Inverse of :func:`symbol_of`: ``(the value with its raw bits zero, raw bit count)``."""
-    if sym < DIRECT:
-        return np.uint64(sym), np.int64(0)
-    b = (sym - DIRECT) // 2 + 5
-    s = np.uint64((sym - DIRECT) & 1)
-    return (np.uint64(2) | s) << np.uint64(b - 2), b - 2
+def _symbol_tables() -> tuple[np.ndarray, np.ndarray]:
+    base = np.zeros(NSYM, np.uint64)
+    nraw = np.zeros(NSYM, np.int64)
+    for sym in range(NSYM):
+        if sym < DIRECT:
+            base[sym] = sym
+        else:
+            b = (sym - DIRECT) // 2 + 5
+            base[sym] = (2 | ((sym - DIRECT) & 1)) << (b - 2)
+            nraw[sym] = b - 2
+    return base, nraw
+
+
+#: per symbol: the smallest value it codes, and how many raw bits follow it
+SYM_BASE, SYM_NRAW = _symbol_tables()
 
 
 # ------------------------------------------------------------------- encoding
 @numba.njit(nogil=True, cache=True, inline="always")
-def _put(x, buf, p, enc, t, sym):  # pragma: no cover - compiled
-    """Encode ``sym`` with table ``t``; returns the new state and write index (bytes go to ``buf[:p]``)."""
-    xmax = enc[t, sym, _XMAX]
-    while x >= xmax:
-        p -= 1
+def _emit(x, buf, p, xmax):  # pragma: no cover - compiled
+    """Renormalise before coding: move the low 16 bits out when the step would overflow."""
+    if x >= xmax:
+        p -= 2
         buf[p] = np.uint8(x & np.uint64(0xFF))
-        x >>= np.uint64(8)
+        buf[p + 1] = np.uint8((x >> np.uint64(8)) & np.uint64(0xFF))
+        x >>= np.uint64(16)
+    return x, p
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _put(x, buf, p, enc, t, sym):  # pragma: no cover - compiled
+    """Encode ``sym`` with table ``t``; returns the new state and write index (words go to ``buf[:p]``)."""
+    x, p = _emit(x, buf, p, enc[t, sym, _XMAX])
     q = ((x * enc[t, sym, _RCP]) >> np.uint64(32)) >> enc[t, sym, _SHIFT]
     return x + enc[t, sym, _BIAS] + q * enc[t, sym, _CMPL], p
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _put_raw(x, buf, p, bits, n):  # pragma: no cover - compiled
-    """Encode ``n`` (1 … 16) uniform bits ``bits``."""
-    xmax = np.uint64(1) << np.uint64(31 - n)
-    while x >= xmax:
-        p -= 1
-        buf[p] = np.uint8(x & np.uint64(0xFF))
-        x >>= np.uint64(8)
+    """Encode ``n`` (1 … 15) uniform bits ``bits``."""
+    x, p = _emit(x, buf, p, np.uint64(1) << np.uint64(31 - n))
     return (x << np.uint64(n)) | bits, p
 
 
@@ -119,9 +132,9 @@ def put_value(x, buf, p, enc, t, v):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True, inline="always")
 def flush(x, buf, p):  # pragma: no cover - compiled
     """Write the final state as four little-endian bytes in front of the stream; returns the start."""
-    for k in range(3, -1, -1):
-        p -= 1
-        buf[p] = np.uint8((x >> np.uint64(8 * k)) & np.uint64(0xFF))
+    p -= 4
+    for k in range(4):
+        buf[p + k] = np.uint8((x >> np.uint64(8 * k)) & np.uint64(0xFF))
     return p
 
 
@@ -140,30 +153,32 @@ def start_state(buf, p, end):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _refill(x, buf, p, end):  # pragma: no cover - compiled
-    """Read bytes until the state is back in range. Past ``end`` it reads zeros (never outside
-    the stream) and still counts: a decoder that ran out ends with its index past ``end``.
-    The state of a well-formed stream is never 0, and a malformed one cannot make it 0 either
-    (it is at least ``RANS_L >> 16`` after every step), so the loop always ends."""
-    while x < np.uint64(RANS_L):
-        byte = buf[p] if p < end else np.uint8(0)
-        x = (x << np.uint64(8)) | np.uint64(byte)
-        p += 1
-    return x, p
+    """Read one 16-bit word when the state fell below ``RANS_L`` (after any coding step one word
+    restores it), without a branch. The word is read at ``min(p, end - 2)`` (never outside the
+    stream) and the index still counts: a decoder that ran out of a malformed stream ends with
+    its index past ``end``. Streams are at least 8 bytes long (the two flushed states)."""
+    q = min(p, end - 2)
+    w = np.uint64(buf[q]) | (np.uint64(buf[q + 1]) << np.uint64(8))
+    m = np.uint64(x < np.uint64(RANS_L))
+    x = (x << (m << np.uint64(4))) | (w & (np.uint64(0) - m))
+    return x, p + 2 * np.int64(m)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def get_value(x, buf, p, end, slots, freq, start, t):  # pragma: no cover - compiled
     """Decode one integer with table ``t``; returns ``(value, state, index)``. A stream that
-    ran out shows as an index past ``end`` (checked by the caller at the end)."""
+    ran out shows as an index past ``end`` (checked by the caller)."""
     slot = x & np.uint64(PROB_SCALE - 1)
     sym = np.int64(slots[t, slot])
     x = np.uint64(freq[t, sym]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(start[t, sym])
     x, p = _refill(x, buf, p, end)
-    if sym < DIRECT:
-        return np.uint64(sym), x, p
-    b = (sym - DIRECT) // 2 + 5
-    nraw = b - 2
-    v = (np.uint64(2) | np.uint64((sym - DIRECT) & 1)) << np.uint64(nraw)
+    v = SYM_BASE[sym]
+    nraw = SYM_NRAW[sym]
+    if nraw <= RAW_PIECE:  # branch-free for the usual symbols: zero raw bits is a no-op
+        v |= x & ((np.uint64(1) << np.uint64(nraw)) - np.uint64(1))
+        x >>= np.uint64(nraw)
+        x, p = _refill(x, buf, p, end)
+        return v, x, p
     lo = 0
     while lo < nraw:
         n = min(RAW_PIECE, nraw - lo)
@@ -208,7 +223,7 @@ def encoder_tables(freqs: np.ndarray) -> np.ndarray:
         for s in range(nsym):
             f = int(freqs[t, s])
             if f:
-                enc[t, s, _XMAX] = ((RANS_L >> PROB_BITS) << 8) * f
+                enc[t, s, _XMAX] = ((RANS_L >> PROB_BITS) << 16) * f
                 enc[t, s, _CMPL] = PROB_SCALE - f
                 if f == 1:  # q = x − 1 with the all-ones reciprocal: C(x) = x·2**PROB_BITS + start
                     enc[t, s, _RCP], enc[t, s, _SHIFT], enc[t, s, _BIAS] = 0xFFFFFFFF, 0, cum + PROB_SCALE - 1
