@@ -86,7 +86,7 @@ class SlotModel:
     def plan(self) -> None:
         """Choose the thresholds and value top of the next build from the statistics."""
         cuts = _split_bins(self.hn, self.hc)
-        top = self.magmask
+        top = min(self.magmask, (1 << 63) - 1)  # (thresholds travel as varints of at most 63 bits)
         self.thr = tuple(min(top, max(0, b + self.bias - 128) << self.mant_bits) for b in cuts)
         occupied = np.nonzero(self.hn > 0)[0]
         self.vtop = int(occupied[-1]) + self.bias - 128 if occupied.size else 0

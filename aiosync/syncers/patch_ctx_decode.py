@@ -85,7 +85,7 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
     params = []
     for o in ords:
         t1, t2, t3, vtop = take(4, "a tensor's parameters")
-        top = (1 << (8 * layouts[o].elem_size)) - 1
+        top = min((1 << (8 * layouts[o].elem_size)) - 1, (1 << 63) - 1)
         if not t1 <= t2 <= t3 <= top or vtop > 1 << 12:
             raise PayloadError(f"ctx patch parameters of tensor ordinal {o} are malformed (thresholds must be "
                                "nondecreasing and fit the dtype)")

@@ -103,23 +103,20 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
             decoded = _decode_ctx(payload, state, target)
         what = f"patch {payload.version}"
         checksums = old_hashes = None
+        n_tensors = len(decoded) if deferred is None else int(payload.ordinals.numel())
         if payload.checksums is not None:
-            checksums = read_checksums(payload.checksums, len(decoded), what)
+            checksums = read_checksums(payload.checksums, n_tensors, what)
         elif verify_checksums:
             raise PayloadError(f"{what} carries no checksums but verify_checksums is on")
         if payload.old_hashes is not None:
-            old_hashes = read_checksums(payload.old_hashes, len(decoded), what, "old_hashes")
+            old_hashes = read_checksums(payload.old_hashes, n_tensors, what, "old_hashes")
         elif payload.encoding in ("flat", "ctx") and (decoded or deferred is not None):
             raise PayloadError(f"{what} is a {payload.encoding} patch without old_hashes (its drift check); refused, "
                                "nothing was written")
         keys = [state.keys[d.ordinal] for d in decoded]
         for d, key in zip(decoded, keys):
             check_target(target, key, state.layouts[d.ordinal])
-        n_deferred = 0
-        if deferred is not None:
-            n_deferred = int(_int_tensor(deferred.nnz_per_tensor, "nnz_per_tensor").sum())
-            if old_hashes is not None and len(old_hashes) != deferred.ordinals.numel():
-                raise PayloadError(f"{what} carries {len(old_hashes)} old_hashes for {deferred.ordinals.numel()} tensors")
+        n_deferred = int(_int_tensor(deferred.nnz_per_tensor, "nnz_per_tensor").sum()) if deferred is not None else 0
     except AiosyncError:
         raise
     except Exception as exc:  # garbage that slipped past the checks: still the library's error
@@ -145,9 +142,6 @@ def complete_patch(prepared: PreparedPatch, state: ReceiverState, target: Mappin
         raise
     except Exception as exc:
         raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
-    if prepared.checksums is not None and len(prepared.checksums) != len(decoded):
-        raise PayloadError(f"patch {prepared.version} carries {len(prepared.checksums)} checksums for "
-                           f"{len(decoded)} tensors")
     prepared.decoded = decoded
     prepared.keys = [state.keys[d.ordinal] for d in decoded]
     prepared.deferred = None

@@ -88,13 +88,12 @@ SYM_BASE, SYM_NRAW = _symbol_tables()
 # ------------------------------------------------------------------- encoding
 @numba.njit(nogil=True, cache=True, inline="always")
 def _emit(x, buf, p, xmax):  # pragma: no cover - compiled
-    """Renormalise before coding: move the low 16 bits out when the step would overflow."""
-    if x >= xmax:
-        p -= 2
-        buf[p] = np.uint8(x & np.uint64(0xFF))
-        buf[p + 1] = np.uint8((x >> np.uint64(8)) & np.uint64(0xFF))
-        x >>= np.uint64(16)
-    return x, p
+    """Renormalise before coding: move the low 16 bits out when the step would overflow. Branch
+    free: the word is always stored below ``p`` (free space), ``p`` moves only when it counts."""
+    buf[p - 2] = np.uint8(x & np.uint64(0xFF))
+    buf[p - 1] = np.uint8((x >> np.uint64(8)) & np.uint64(0xFF))
+    m = np.uint64(x >= xmax)
+    return x >> (m << np.uint64(4)), p - 2 * np.int64(m)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -107,7 +106,7 @@ def _put(x, buf, p, enc, t, sym):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _put_raw(x, buf, p, bits, n):  # pragma: no cover - compiled
-    """Encode ``n`` (1 … 15) uniform bits ``bits``."""
+    """Encode ``n`` (0 … 15) uniform bits ``bits``."""
     x, p = _emit(x, buf, p, np.uint64(1) << np.uint64(31 - n))
     return (x << np.uint64(n)) | bits, p
 
@@ -116,9 +115,9 @@ def _put_raw(x, buf, p, bits, n):  # pragma: no cover - compiled
 def put_value(x, buf, p, enc, t, v):  # pragma: no cover - compiled
     """Encode the integer ``v`` (uint64) with table ``t``: raw bits first (they decode last)."""
     sym, nraw = symbol_of(v)
-    if 0 < nraw <= RAW_PIECE:
+    if nraw <= RAW_PIECE:  # branch-free for the usual symbols: zero raw bits is a no-op
         x, p = _put_raw(x, buf, p, v & ((np.uint64(1) << np.uint64(nraw)) - np.uint64(1)), nraw)
-    elif nraw:
+    else:
         # pieces of at most RAW_PIECE bits, lowest first when decoding: so the highest goes in first
         npieces = (nraw + RAW_PIECE - 1) // RAW_PIECE
         for k in range(npieces - 1, -1, -1):
