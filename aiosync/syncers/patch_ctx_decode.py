@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import PayloadError
+from ..errors import DriftError, PayloadError
 from . import kernels_ctx as kc
 from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, ctx_format
 from .rans import NSYM, PROB_SCALE, decoder_tables
@@ -164,8 +164,10 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
         rc = kc.decode_segment(old[s:e], buf, p0, pm, p1, thr, np.array([magmask], old.dtype),
                                np.array([mant, bias, vtop], np.int64), head.counts[i][k], head.slots, head.freq,
                                head.start, head.tmap, WIDTH_SLOT[lay.elem_size], out_pos[i][a:b], out_z[i][a:b], s)
-        if rc < 0:
-            raise PayloadError(f"ctx patch stream of tensor ordinal {o} (segment {k}) {_ERRORS.get(rc, rc)}")
+        if rc < 0:  # the header was sound: the stream, or the values it is decoded against, are not
+            raise DriftError(f"ctx patch stream of tensor ordinal {o} (segment {k}) {_ERRORS.get(rc, rc)} against this "
+                             "receiver's values: the stream is corrupt, or the receiver's values of the tensor are not "
+                             "the ones the sender built the patch on (drifted); refused, nothing was written")
 
     if pool is not None and len(jobs) > 1:
         list(pool.map(one, jobs))
