@@ -44,7 +44,6 @@ from .integrity import checksum_tensor, new_session, tensor_checksum
 from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
 from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
                               receiver_metadata, sender_layouts)
-from .patch_ctx import CtxBuilder, assemble_ctx_patch, diffs_from_tensor_diffs
 from .patch_receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch, write_patch
 from .payloads import ReceiverMetadata, SenderHello, WeightPatch
 from .snapshot import FlatDiff, Snapshot
@@ -108,7 +107,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._builder_kernel = builder_kernel
         # sender state
         self._snapshot: Snapshot | None = None
-        self._ctx: CtxBuilder | None = None  # the ctx encoding's statistics
+        self._ctx = None  # the ctx encoding's statistics (patch_ctx.CtxBuilder)
         self._slot_keys: list[str] = []
         self._names: list[str] = []  # synced keys in the sender's state-dict order (W17 collective order)
         self._layouts: list[TensorLayout] = []
@@ -199,7 +198,11 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         if self._snapshot is not None:
             self._snapshot.close()
         self._snapshot = snapshot
-        self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts) if self.config.encoding == "ctx" else None
+        self._ctx = None
+        if self.config.encoding == "ctx":
+            from .patch_ctx import CtxBuilder  # numba: imported when used, never at ``import aiosync``
+
+            self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts)
         self._last_version = None
         self._chain_broken = None
 
@@ -308,6 +311,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return diffs
         if self._snapshot.staged_event is not None:
             self._snapshot.staged_event.synchronize()
+        from .patch_ctx import diffs_from_tensor_diffs
+
         return diffs_from_tensor_diffs(self._ctx, diffs)
 
     def _fused_cpu(self, tensors: list[torch.Tensor]) -> bool:
@@ -320,6 +325,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         if diffs and isinstance(diffs[0], FlatDiff):
             patch = assemble_flat_patch(diffs, self._layouts, version=version, base_version=base)
         elif self.config.encoding == "ctx":
+            from .patch_ctx import assemble_ctx_patch
+
             patch = assemble_ctx_patch(diffs, self._layouts, version=version, base_version=base,
                                        pool=self._snapshot.pool())
         else:
