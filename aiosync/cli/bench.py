@@ -12,6 +12,11 @@ apply) over the in-process channel and over a simulated 1 Gbit/s link, and wheth
 receiver ended bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of five; see
 :func:`measure_clone`) is the yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
 optimizer step before each), after one untimed warm-up sync per mode.
+
+The machine's read bandwidth is measured in the same run (:func:`measure_read_bandwidth`), and
+each mode reports the bytes its build and its apply must move at least (:func:`stage_bytes`)
+and the fraction of that bandwidth they achieved: a clone's time swings with the allocator,
+memory bandwidth does not.
 """
 
 from __future__ import annotations
@@ -114,6 +119,33 @@ def measure_clone(tensors: list[torch.Tensor], clones: int = 5) -> tuple[float, 
     return statistics.median(times), times, statistics.median(recycled)
 
 
+def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The machine's read bandwidth in bytes/s: the best of ``repeats`` ``torch.sum`` reductions
+    (on torch's thread pool) over a buffer of ``nbytes``, far larger than any cache."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def stage_bytes(mode: str, state: dict[str, torch.Tensor], receiver_dtype: torch.dtype, payload: float) -> tuple[int, int]:
+    """The bytes a mode's build and apply must move at least, for one sync.
+
+    Build: every mode reads the sender's weights once; a patch build also reads its snapshot (in
+    the receiver's dtype), a bucket build writes the cast bucket. Apply: the payload is read,
+    and the receiver's model is read once (a ``ctx`` patch classifies every old value, a bucket
+    is compared with every value, and the writes of a patch at these densities touch nearly
+    every cache line of it).
+    """
+    src = sum(t.numel() * t.element_size() for t in state.values())
+    model = sum(t.numel() for t in state.values()) * receiver_dtype.itemsize
+    return src + model, int(round(payload)) + model
+
+
 class SimulatedLink:
     """A point-to-point channel that delays each payload by its size over ``bandwidth`` bytes/s."""
 
@@ -185,6 +217,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     elements = sum(t.numel() for t in state.values())
 
     clone_s, clone_times, recycled_s = await run_sync(measure_clone, list(state.values()))
+    read_bw = await run_sync(measure_read_bandwidth, max(256 << 20, min(1 << 30, 2 * elements * 4)))
 
     await run_sync(warm_up)
     pairs = {}
@@ -237,18 +270,24 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     for name in modes:
         row = samples[name]
         total_bytes = sum(row["bytes"])
+        times = {k: statistics.median(row[k]) for k in ("build_s", "encode_s", "apply_s", "write_s", "e2e_s",
+                                                         "e2e_1gbit_s")}
+        build_bytes, apply_bytes = stage_bytes(name, state, torch.bfloat16, total_bytes / rounds)
         result_modes.append({
             "name": name,
             "bytes": round(total_bytes / rounds),
             "bytes_per_changed": total_bytes / changed_total if changed_total else math.inf,
-            **{k: statistics.median(row[k]) for k in ("build_s", "encode_s", "apply_s", "write_s", "e2e_s",
-                                                       "e2e_1gbit_s")},
+            **times,
+            "build_bytes": build_bytes, "apply_bytes": apply_bytes,
+            "build_bandwidth_fraction": build_bytes / times["build_s"] / read_bw if times["build_s"] else 0.0,
+            "apply_bandwidth_fraction": apply_bytes / times["apply_s"] / read_bw if times["apply_s"] else 0.0,
             "bit_exact": exact[name],
             "e2e_rounds_s": row["e2e_s"], "build_rounds_s": row["build_s"],
         })
     return {
         "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
-        "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "rounds": rounds, "modes": result_modes,
+        "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "read_bandwidth_gbs": read_bw / 1e9,
+        "rounds": rounds, "modes": result_modes,
     }
 
 
@@ -259,23 +298,26 @@ def print_table(report: dict[str, Any]) -> None:
     clone = report["clone_s"]
     table = Table(title=(f"aiosync bench: {report['elements'] / 1e6:.1f} M synced elements, "
                          f"{report['changed'] / 1e6:.2f} M changed ({100 * report['density']:.2f} %), "
-                         f"clone {clone * 1e3:.1f} ms (into recycled memory {report['clone_recycled_s'] * 1e3:.1f} ms); "
-                         f"times: median of {report['rounds']} syncs"))
-    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "encode ms", "apply ms", "write ms", "e2e ms",
-                "e2e/clone", "e2e 1Gbit ms", "bit-exact"):
+                         f"clone {clone * 1e3:.1f} ms (into recycled memory {report['clone_recycled_s'] * 1e3:.1f} ms), "
+                         f"read bandwidth {report['read_bandwidth_gbs']:.1f} GB/s; times: median of {report['rounds']} syncs"))
+    for col in ("mode", "bytes", "B/changed", "build ms", "build/clone", "build bw", "encode ms", "apply ms", "apply bw",
+                "write ms", "e2e ms", "e2e/clone", "e2e 1Gbit ms", "bit-exact"):
         table.add_column(col, justify="right")
     for m in report["modes"]:
         table.add_row(m["name"], f"{m['bytes']:,}", f"{m['bytes_per_changed']:.3f}", f"{m['build_s'] * 1e3:.1f}",
-                      f"{m['build_s'] / clone:.2f}", f"{m['encode_s'] * 1e3:.1f}", f"{m['apply_s'] * 1e3:.1f}",
-                      f"{m['write_s'] * 1e3:.1f}",
+                      f"{m['build_s'] / clone:.2f}", f"{m['build_bandwidth_fraction']:.2f}", f"{m['encode_s'] * 1e3:.1f}",
+                      f"{m['apply_s'] * 1e3:.1f}", f"{m['apply_bandwidth_fraction']:.2f}", f"{m['write_s'] * 1e3:.1f}",
                       f"{m['e2e_s'] * 1e3:.1f}", f"{m['e2e_s'] / clone:.2f}",
                       f"{m['e2e_1gbit_s'] * 1e3:.1f}", "yes" if m["bit_exact"] else "NO")
-    console = Console(width=max(Console().width, 160))
+    console = Console(width=max(Console().width, 190))
     console.print(table)
     by = {m["name"]: m for m in report["modes"]}
     if "patch" in by and "bucket" in by:
         ratio = by["bucket"]["e2e_1gbit_s"] / by["patch"]["e2e_1gbit_s"]
-        console.print(f"over 1 Gbit/s, patch is {ratio:.1f}x faster than bucket end to end")
+        console.print(f"over 1 Gbit/s, patch is {ratio:.1f}x faster than bucket end to end; in-process, patch takes "
+                      f"{by['patch']['e2e_s'] / by['bucket']['e2e_s']:.2f}x bucket's time")
+    console.print("build bw / apply bw: the fraction of the measured read bandwidth the stage achieved on the bytes "
+                  "it must move (build_bytes, apply_bytes in the JSON)")
 
 
 def add_parser(sub) -> None:

@@ -149,7 +149,7 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
     if codec == "zstd":
         jobs = {k: shuffle_bytes(_np_u8(v), v.element_size()) for k, v in streams.items()}
         values = _np_u8(patch.values)
-        if patch.encoding == "flat":  # nibbles, then exception byte planes: nothing to shuffle
+        if patch.encoding in ("flat", "ctx"):  # flat: nibbles, then exception byte planes; ctx: its model
             jobs["values"] = values
             sizes["values"] = values.size
         else:
@@ -247,7 +247,7 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
 
     names = ["cols"] + (["rows"] if cp.encoding == "coo" else [])
     futures = {k: _pool().submit(index_stream, k) for k in names}
-    if nvcomp or cp.encoding == "flat":
+    if nvcomp or cp.encoding in ("flat", "ctx"):
         values = stream("values")
         values = values if isinstance(values, torch.Tensor) else torch.from_numpy(values.copy())
     else:

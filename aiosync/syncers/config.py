@@ -16,7 +16,7 @@ from .._strict import from_mapping
 from ..errors import ConfigError
 
 SYNCER_TYPES = ("patch", "bucket")
-PATCH_ENCODINGS = ("coo", "flat")
+PATCH_ENCODINGS = ("coo", "flat", "ctx")
 COMPRESSIONS = ("none", "zstd", "nvcomp_lz4", "nvcomp_zstd")
 BUCKET_DTYPES = (None, "bfloat16", "float16", "float32")
 COMM_KEYS = ("use_ring_sync", "nccl_max_ctas", "nccl_min_ctas")
@@ -100,8 +100,8 @@ class PatchConfig:
     snapshot_device: str = "cpu"
     transport_device: str | None = "cpu"  # null means cpu
     delta_encoding: bool = True
-    compression: str = "zstd"
-    encoding: str = "flat"
+    compression: str = "none"
+    encoding: str = "ctx"
     compression_level: int = 1
     recv_timeout: float | None = 600.0
     verify_checksums: bool = False

@@ -53,4 +53,34 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
             src = np.ones(n, np.uint32)
             diff_update(src, snap.copy(), True, pos, nv, ov, 0)
             diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc, 0)
+        _warm_ctx(w, new, snap)
         _WARM.add(w)
+
+
+def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
+    """The ``ctx`` encoding's kernels: a tiny patch built, coded, decoded, written and undone."""
+    from . import kernels_ctx as kc
+    from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
+    from .rans import NSYM, decoder_tables, encoder_tables
+
+    n, dt = new.size, new.dtype
+    thr, mm, stat = np.zeros(3, dt), np.array([np.iinfo(dt).max], dt), np.array([w * 8 - 1, 0, 0], np.int64)
+    gap, ctx, z = np.empty(n, np.uint32), np.empty(n, np.uint8), np.empty(n, dt)
+    counts, hc, hd = np.zeros(4, np.int64), np.zeros(kc.BINS, np.int64), np.zeros(kc.BINS, np.int64)
+    sources = [(new, False)] + ([(np.ones(n, np.uint32), True)] if w == 2 else [])
+    for src, fused in reversed(sources):  # the plain source last: its records are coded below
+        k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0)
+    kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
+    hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
+    kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], hist)
+    _, freqs, tmap = build_tables([hist])
+    bufg, bufv = np.empty(8 + 20 * (k + 4), np.uint8), np.empty(8 + 20 * (k + 4), np.uint8)
+    pg, pv = kc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], bufg, bufv)
+    buf = np.concatenate([bufg[pg:], bufv[pv:]])
+    pos, codes = np.empty(k, np.int64), np.empty(k, dt)
+    kc.decode_segment(snap, buf, 0, bufg.size - pg, buf.size, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
+                      WIDTH_SLOT[w], pos, codes, 0)
+    target, old = snap.copy(), np.empty(k, dt)
+    kc.write_codes(target, pos, codes, old)
+    kc.restore_codes(target, pos, old)
+    kc.best_split(np.ones(4), np.ones(4) / 2)

@@ -44,7 +44,7 @@ from .integrity import checksum_tensor, new_session, tensor_checksum
 from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
 from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
                               receiver_metadata, sender_layouts)
-from .patch_receiver import PreparedPatch, ReceiverState, prepare_patch, write_patch
+from .patch_receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch, write_patch
 from .payloads import ReceiverMetadata, SenderHello, WeightPatch
 from .snapshot import FlatDiff, Snapshot
 from .staging import FullStateWrite, Journal, warm_up_kernels
@@ -107,6 +107,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._builder_kernel = builder_kernel
         # sender state
         self._snapshot: Snapshot | None = None
+        self._ctx = None  # the ctx encoding's statistics (patch_ctx.CtxBuilder)
         self._slot_keys: list[str] = []
         self._names: list[str] = []  # synced keys in the sender's state-dict order (W17 collective order)
         self._layouts: list[TensorLayout] = []
@@ -197,6 +198,11 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         if self._snapshot is not None:
             self._snapshot.close()
         self._snapshot = snapshot
+        self._ctx = None
+        if self.config.encoding == "ctx":
+            from .patch_ctx import CtxBuilder  # numba: imported when used, never at ``import aiosync``
+
+            self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts)
         self._last_version = None
         self._chain_broken = None
 
@@ -279,9 +285,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         snap = self._snapshot
         if not any(is_dtensor(state_dict[k]) for k in self._slot_keys):
             tensors = [state_dict[k].detach() for k in self._slot_keys]
-            if self._fused_flat(tensors):
-                return snap.diff_flat(tensors)
-            return snap.diff(tensors, self._transport_device)
+            if self._fused_cpu(tensors):
+                return snap.diff_flat(tensors) if self.config.encoding == "flat" else self._ctx.build(tensors)
+            return self._as_ctx(snap.diff(tensors, self._transport_device))
         # DTensors: gather a bounded group at a time so the sender never holds the full model twice.
         # Gather in state-dict order, every synced key (as the other ranks do; see _take_snapshot).
         diffs, group, used = [], [], 0
@@ -293,20 +299,36 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                 group.append((slot_of[key], t))
                 used += t.numel() * t.element_size()
             if group and (used >= limit or n == len(self._names) - 1):
-                diffs += snap.diff([t for _, t in group], self._transport_device, slots=[s for s, _ in group])
+                diffs += self._as_ctx(snap.diff([t for _, t in group], self._transport_device,
+                                                slots=[s for s, _ in group]))
                 group, used = [], 0
         diffs.sort(key=lambda d: d.slot)
         return diffs
 
-    def _fused_flat(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether the CPU fast path (diff and flat encoding in one pass) applies."""
-        return (self.config.encoding == "flat" and self._builder_kernel == "auto"
+    def _as_ctx(self, diffs):
+        """The torch builder's diffs as ``ctx`` records (when that is the encoding)."""
+        if self.config.encoding != "ctx" or not diffs:
+            return diffs
+        if self._snapshot.staged_event is not None:
+            self._snapshot.staged_event.synchronize()
+        from .patch_ctx import diffs_from_tensor_diffs
+
+        return diffs_from_tensor_diffs(self._ctx, diffs)
+
+    def _fused_cpu(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the CPU fast path (diff and encoding in one pass) applies."""
+        return (self.config.encoding in ("flat", "ctx") and self._builder_kernel == "auto"
                 and self._transport_device.type == "cpu" and self._snapshot.device.type == "cpu"
                 and not any(t.is_cuda for t in tensors))
 
     def _encode(self, diffs, version: int, base: int | None):
         if diffs and isinstance(diffs[0], FlatDiff):
             patch = assemble_flat_patch(diffs, self._layouts, version=version, base_version=base)
+        elif self.config.encoding == "ctx":
+            from .patch_ctx import assemble_ctx_patch
+
+            patch = assemble_ctx_patch(diffs, self._layouts, version=version, base_version=base,
+                                       pool=self._snapshot.pool())
         else:
             patch = encode_patch(diffs, self._layouts, version=version, base_version=base,
                                  encoding=self.config.encoding, delta_encoding=self.config.delta_encoding)
@@ -398,7 +420,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         rx = pending.rx if pending is not None else self._rx
         version_now = None if pending is not None else self.version
         prepared = await run_sync(prepare_patch, payload, rx, version_now, target,
-                                  verify_checksums=self.config.verify_checksums)
+                                  verify_checksums=self.config.verify_checksums,
+                                  defer_ctx=pending is not None and pending.plan is not None)
         stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
         boot = pending.plan if pending is not None and pending.plan is not None else None
 
@@ -444,7 +467,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             if pending is not None and pending.plan is not None:
                 pending.plan.check(target)
                 changed += pending.plan.write(target, journal, self.after_each_write)
-            if prepared is not None and prepared.decoded:
+            if prepared is not None and (prepared.decoded or prepared.deferred is not None):
+                complete_patch(prepared, rx, target)
                 changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
             return changed
         except BaseException as exc:

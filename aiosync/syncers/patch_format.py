@@ -34,12 +34,14 @@ _WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """What both sides know about one synced tensor: its 2-D COO shape and element width."""
+    """What both sides know about one synced tensor: its 2-D COO shape, element width and (for
+    the ``ctx`` encoding's contexts) the receiver's dtype."""
 
     ordinal: int
     rows: int
     cols: int
     elem_size: int
+    dtype: torch.dtype | None = None
 
     @property
     def numel(self) -> int:
@@ -295,6 +297,7 @@ class DecodedTensor:
     gaps: Any = None  # numpy uint8 gap stream (CPU flat), else None
     gap_start: int = 0
     gap_end: int = 0
+    zcodes: Any = None  # ``ctx``: numpy value codes (unsigned, the element's width), one per position
 
     def __post_init__(self) -> None:
         if self._positions is not None:
@@ -311,7 +314,9 @@ class DecodedTensor:
         return self._positions
 
     def codes(self) -> torch.Tensor:
-        """The zig-zag value codes (int64, same device as the payload) of a ``flat`` tensor."""
+        """The zig-zag value codes (int64, same device as the payload) of a ``flat`` or ``ctx`` tensor."""
+        if self.zcodes is not None:
+            return torch.from_numpy(self.zcodes.astype(np.uint64).view(np.int64))
         n = self.count
         c = self.nib_off + torch.arange(n, device=self.payload.device)
         q = (self.payload[c >> 1].to(torch.int64) >> ((c & 1) * 4)) & 15
@@ -339,7 +344,7 @@ def _int_tensor(t, name: str) -> torch.Tensor:
 
 
 def _check_header(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> tuple[list[int], list[int]]:
-    if patch.encoding not in ("coo", "flat"):
+    if patch.encoding not in ("coo", "flat", "ctx"):
         raise PayloadError(f"unknown patch encoding {patch.encoding!r}")
     ordinals = _int_tensor(patch.ordinals, "ordinals").cpu()
     nnz = _int_tensor(patch.nnz_per_tensor, "nnz_per_tensor").cpu()

@@ -139,7 +139,7 @@ def sender_layouts(slots: list[str], meta: ReceiverMetadata, dtypes: Mapping[str
     out = []
     for k in slots:
         rows, cols = coo_2d_shape(meta.original_shapes[ordinal[k]])
-        out.append(TensorLayout(ordinal[k], rows, cols, dtypes[k].itemsize))
+        out.append(TensorLayout(ordinal[k], rows, cols, dtypes[k].itemsize, dtypes[k]))
     return out
 
 
@@ -150,5 +150,5 @@ def receiver_layouts(state_dict: Mapping[str, torch.Tensor], keys: list[str],
     for o in ordinals:
         t = state_dict[keys[o]]
         rows, cols = coo_2d_shape(t.shape)
-        out[o] = TensorLayout(o, rows, cols, t.element_size())
+        out[o] = TensorLayout(o, rows, cols, t.element_size(), t.dtype)
     return out

@@ -23,7 +23,7 @@ from .bucket_format import check_version
 from .codecs import decompress_patch
 from .indexing import as_coo_2d_view, coo_2d_shape
 from .integrity import drift_hash, read_checksums, tensor_checksum
-from .patch_format import DecodedTensor, TensorLayout, decode_patch
+from .patch_format import DecodedTensor, TensorLayout, _check_header, _int_tensor, decode_patch
 from .patch_handshake import is_int
 from .payloads import CompressedWeightPatch, EmptyWeightPatch, WeightPatch
 from .snapshot import _np_bits, as_bits
@@ -52,10 +52,14 @@ class PreparedPatch:
     checksums: list[int] | None
     old_hashes: list[int] | None
     nbytes: int
+    #: a ``ctx`` patch staged on top of a bootstrap not yet written: decoded against the
+    #: bootstrapped values inside the write (:func:`complete_patch`); ``decoded`` is empty until then
+    deferred: WeightPatch | None = None
+    deferred_changed: int = 0
 
     @property
     def changed(self) -> int:
-        return sum(d.count for d in self.decoded)
+        return self.deferred_changed if self.deferred is not None else sum(d.count for d in self.decoded)
 
 
 def check_header(payload: Any, version_now: int | None, session: int | None) -> int:
@@ -78,7 +82,7 @@ def check_header(payload: Any, version_now: int | None, session: int | None) -> 
 
 
 def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, target: Mapping[str, torch.Tensor],
-                  *, verify_checksums: bool) -> PreparedPatch:
+                  *, verify_checksums: bool, defer_ctx: bool = False) -> PreparedPatch:
     """Validate ``payload`` whole against the receiver; nothing is written (``target`` is read
     for shapes and dtypes only). Everything malformed raises :class:`PayloadError` (or the
     subclass named), never another exception type."""
@@ -89,26 +93,58 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
     try:
         if isinstance(payload, CompressedWeightPatch):
             payload = decompress_patch(payload, {o: lay.elem_size for o, lay in state.layouts.items()})
-        decoded = decode_patch(payload, state.layouts)
+        deferred = None
+        if payload.encoding != "ctx":
+            decoded = decode_patch(payload, state.layouts)
+        elif defer_ctx:  # its positions depend on values a staged bootstrap has not written yet
+            decoded, deferred = [], payload
+            _check_header(payload, state.layouts)
+        else:
+            decoded = _decode_ctx(payload, state, target)
         what = f"patch {payload.version}"
         checksums = old_hashes = None
+        n_tensors = len(decoded) if deferred is None else int(payload.ordinals.numel())
         if payload.checksums is not None:
-            checksums = read_checksums(payload.checksums, len(decoded), what)
+            checksums = read_checksums(payload.checksums, n_tensors, what)
         elif verify_checksums:
             raise PayloadError(f"{what} carries no checksums but verify_checksums is on")
         if payload.old_hashes is not None:
-            old_hashes = read_checksums(payload.old_hashes, len(decoded), what, "old_hashes")
-        elif payload.encoding == "flat" and decoded:
-            raise PayloadError(f"{what} is a flat patch without old_hashes (its drift check); refused, nothing "
-                               "was written")
+            old_hashes = read_checksums(payload.old_hashes, n_tensors, what, "old_hashes")
+        elif payload.encoding in ("flat", "ctx") and (decoded or deferred is not None):
+            raise PayloadError(f"{what} is a {payload.encoding} patch without old_hashes (its drift check); refused, "
+                               "nothing was written")
         keys = [state.keys[d.ordinal] for d in decoded]
         for d, key in zip(decoded, keys):
             check_target(target, key, state.layouts[d.ordinal])
+        n_deferred = int(_int_tensor(deferred.nnz_per_tensor, "nnz_per_tensor").sum()) if deferred is not None else 0
     except AiosyncError:
         raise
     except Exception as exc:  # garbage that slipped past the checks: still the library's error
         raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
-    return PreparedPatch(version, decoded, keys, checksums, old_hashes, nbytes)
+    return PreparedPatch(version, decoded, keys, checksums, old_hashes, nbytes, deferred, n_deferred)
+
+
+def _decode_ctx(payload: WeightPatch, state: ReceiverState, target: Mapping[str, torch.Tensor]) -> list[DecodedTensor]:
+    from .patch_ctx_decode import decode_ctx_patch
+    from .patch_format import _codec_pool
+
+    return decode_ctx_patch(payload, state.layouts, lambda o: check_target(target, state.keys[o], state.layouts[o]),
+                            _codec_pool())
+
+
+def complete_patch(prepared: PreparedPatch, state: ReceiverState, target: Mapping[str, torch.Tensor]) -> None:
+    """Decode a deferred ``ctx`` patch now (inside the write, after its bootstrap was written)."""
+    if prepared.deferred is None:
+        return
+    try:
+        decoded = _decode_ctx(prepared.deferred, state, target)
+    except AiosyncError:
+        raise
+    except Exception as exc:
+        raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
+    prepared.decoded = decoded
+    prepared.keys = [state.keys[d.ordinal] for d in decoded]
+    prepared.deferred = None
 
 
 def check_target(target: Mapping[str, torch.Tensor], key: str, lay: TensorLayout) -> torch.Tensor:
@@ -120,9 +156,11 @@ def check_target(target: Mapping[str, torch.Tensor], key: str, lay: TensorLayout
 
 
 def _fast(d: DecodedTensor, t: torch.Tensor) -> bool:
-    """Whether the numba writer applies: a flat tensor decoded on CPU into a contiguous CPU tensor."""
-    return d.is_delta and d.gaps is not None and t.device.type == "cpu" and t.is_contiguous() \
-        and not d.payload.is_cuda
+    """Whether a numba writer applies: a flat tensor decoded on CPU, or a ctx tensor, into a
+    contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous() or not d.is_delta:
+        return False
+    return d.zcodes is not None or (d.gaps is not None and not d.payload.is_cuda)
 
 
 @dataclass
@@ -224,7 +262,14 @@ def _write_parallel(jobs: list[_Job]) -> None:
 
 
 def _write_one(job: _Job) -> None:
-    if job.fast:
+    if job.fast and job.d.zcodes is not None:
+        from .kernels_ctx import write_codes
+
+        d = job.d
+        job.np_target = _np_bits(job.t.view(-1))
+        job.old = np.empty(d.count, job.np_target.dtype)
+        job.old_hash = int(write_codes(job.np_target, d.positions.numpy(), d.zcodes, job.old))
+    elif job.fast:
         from .kernels_write import apply_flat_gaps_logged
 
         d = job.d
@@ -238,6 +283,10 @@ def _write_one(job: _Job) -> None:
 
 
 def _undo(job: _Job) -> Callable[[], None]:
+    if job.fast and job.d.zcodes is not None:
+        from .kernels_ctx import restore_codes
+
+        return lambda: restore_codes(job.np_target, job.d.positions.numpy(), job.old)
     if job.fast:
         from .kernels_write import restore_gaps
 

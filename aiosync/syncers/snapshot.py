@@ -165,6 +165,29 @@ class Snapshot:
         self.wait_writeback()
         return self._snaps[slot].view(self._shapes[slot])
 
+    def bits(self, slot: int) -> np.ndarray:
+        """A numpy view of ``slot``'s snapshot bits (CPU snapshots; shares storage)."""
+        return _np_bits(self._snaps[slot])
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The builder's thread pool (``workers`` threads)."""
+        return self._pool_get()
+
+    def kernel_source(self, flat: torch.Tensor, slot: int) -> tuple[np.ndarray | None, bool]:
+        """See :meth:`_kernel_source`: the kernels' view of a whole source tensor of ``slot``."""
+        return self._kernel_source(flat, self._snaps[slot])
+
+    def cast_source(self, piece: torch.Tensor, slot: int) -> tuple[np.ndarray, bool]:
+        """A source piece of ``slot`` cast by torch to the snapshot's dtype into this thread's
+        scratch buffer (valid until the thread's next cast)."""
+        snap = self._snaps[slot]
+        casts = getattr(self._local, "casts", None)
+        if casts is None:
+            casts = self._local.casts = {}
+        if casts.get(snap.dtype) is None or casts[snap.dtype].numel() < piece.numel():
+            casts[snap.dtype] = torch.empty(max(self.chunk_elems, piece.numel()), dtype=snap.dtype)
+        return self._source(piece, snap, casts[snap.dtype])
+
     def load(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
         """(Re)take the snapshot: each tensor cast to its receiver dtype, copied to ``device``."""
         self.wait_writeback()

@@ -1,0 +1,433 @@
+"""Numba kernels of the ``ctx`` patch encoding (context-modelled positions and values).
+
+Both sides know the old value of every element (the sender's snapshot is the receiver's
+model), so both can sort elements into *classes* by the magnitude of the old value without
+sending anything: ``class = #{k : (old & magmask) >= thr[k]}`` for three per-tensor
+thresholds (four classes). Small weights cross a rounding boundary of their dtype far more
+often than large ones, so the classes have very different change densities, and coding the
+changes of each class as gaps *between elements of that class* approaches the entropy of the
+change mask given the old values. Value codes (zig-zag of new − old) are coded with a table
+chosen by the old value's exponent. See docs/wire-format.md ("ctx") for the layout.
+
+* :func:`diff_ctx` — the builder: diff a chunk against the snapshot (as
+  :func:`~aiosync.syncers.kernels.diff_encode_flat`), update it, and emit one record per change
+  (class-local gap, context byte, value code), plus the drift hash and the statistics the next
+  build picks its thresholds from.
+* :func:`count_symbols` / :func:`encode_segment` — histograms of the records' symbols, and the
+  rANS coding of one segment's records (:mod:`aiosync.syncers.rans`).
+* :func:`decode_segment` — the receiver: classify its own old values, decode positions and
+  value codes; every malformation is a negative return code, nothing is written.
+* :func:`write_codes` / :func:`restore_codes` — the receiver's write (old bits journaled and
+  hashed for the drift check) and its undo.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .kernels import GROUP_BLOCKS, _cast_bf16, _flatten, _load, _popcount64, _tz64, _width, _zigzag, mix64, unzigzag
+from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
+
+N_CLASSES = 4
+N_VCTX = 16
+SEGMENT = 1 << 22  # elements per independently coded segment of a tensor (a format constant)
+BINS = 256  # exponent bins of the statistics
+
+
+@intrinsic
+def _pdep64(typingctx, src, mask):
+    """BMI2 parallel bit deposit (x86-64)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(i64, [i64, i64]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+def _fast_pdep() -> bool:
+    """pdep is one fast instruction on Intel since Haswell and AMD since Zen 3 (microcoded before)."""
+    try:
+        features = llvm.get_host_cpu_features()
+        name = llvm.get_host_cpu_name()
+    except Exception:  # pragma: no cover - exotic hosts
+        return False
+    return bool(features.get("bmi2", False)) and name not in ("znver1", "znver2", "bdver4", "generic")
+
+
+FAST_PDEP = _fast_pdep()
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def select64(m, r):  # pragma: no cover - compiled
+    """Index of the ``r``-th (from 0) set bit of ``m``; ``r`` < popcount(m)."""
+    if FAST_PDEP:
+        return np.int64(_tz64(_pdep64(np.uint64(1) << np.uint64(r), m)))
+    for _ in range(r):
+        m &= m - np.uint64(1)
+    return np.int64(_tz64(m))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def next_in(m, r, pc):  # pragma: no cover - compiled
+    """Index of the ``r``-th set bit of ``m`` (``pc`` = popcount(m)), or 64 when ``r >= pc``;
+    branch-free with pdep."""
+    if FAST_PDEP:
+        src = np.uint64(r < pc) << np.uint64(min(r, 63))
+        return np.int64(_tz64(_pdep64(src, m)))
+    return select64(m, r) if r < pc else np.int64(64)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def exp_bin(bits, mmask, mant_bits, bias):  # pragma: no cover - compiled
+    """The statistics bin of an element: its exponent, centred on the dtype's bias, in [0, 255]."""
+    e = np.int64((np.uint64(bits) & mmask) >> np.uint64(mant_bits)) - bias + 128
+    return min(max(e, 0), BINS - 1)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def value_ctx(bits, mmask, mant_bits, vtop):  # pragma: no cover - compiled
+    """The value-code context of an element: how many octaves its old value lies below ``vtop``."""
+    e = np.int64((np.uint64(bits) & mmask) >> np.uint64(mant_bits))
+    return min(max(vtop - e, 0), N_VCTX - 1)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _class_masks(a1, a2, a3, valid):  # pragma: no cover - compiled
+    return valid & ~a1, a1 & ~a2, a2 & ~a3, a3
+
+
+# ------------------------------------------------------------------ the builder
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, hc, hn_delta, base):  # pragma: no cover
+    """Diff one segment, update ``snap``, record every change in position order.
+
+    ``src``/``snap``/``fused`` as in :func:`~aiosync.syncers.kernels.diff_update`; ``thr`` holds
+    the three class thresholds and ``mm`` (a one-element array) the magnitude mask, both in
+    ``snap``'s dtype. ``stat`` = ``(mant_bits, bias, vtop)``. Change ``k`` gets
+    ``rec_gap[k]`` (elements of its class since the previous change of that class, or since the
+    segment start), ``rec_ctx[k] = class | value_ctx << 2`` and ``rec_z[k]`` (its zig-zag
+    value code). ``counts[c]`` counts the changes per class; ``hc[bin]`` the changes by the old
+    value's exponent bin and ``hn_delta`` the moves between bins (the sender's statistics).
+    Returns ``(changes, drift hash)``; the hash sums :func:`mix64` of ``base + j`` and the old
+    bits over the changes, modulo 2**64.
+    """
+    width = _width(snap)
+    n = snap.shape[0]
+    nblocks = (n + 63) // 64
+    t1, t2, t3, msk = thr[0], thr[1], thr[2], mm[0]
+    mmask = np.uint64(msk)
+    mant_bits, bias, vtop = stat[0], stat[1], stat[2]
+    idx = np.empty(GROUP_BLOCKS * 64 + 4, np.int64)
+    cms = np.empty((GROUP_BLOCKS, N_CLASSES), np.uint64)  # class masks of the group's blocks
+    at = np.zeros((GROUP_BLOCKS, N_CLASSES), np.int64)  # elements of each class before each block
+    run = np.zeros(N_CLASSES, np.int64)
+    prev = np.full(N_CLASSES, -1, np.int64)  # class-local index of each class's previous change
+    for c in range(N_CLASSES):
+        counts[c] = 0
+    one = np.uint64(1)
+    cnt = 0
+    k = 0
+    hsum = np.uint64(0)
+    g0 = 0
+    for b in range(nblocks):
+        s = b * 64
+        e = min(n, s + 64)
+        m = np.uint64(0)  # the block's change mask and class masks: branch-free, vectorised
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        a3 = np.uint64(0)
+        if e - s == 64:  # separate loops: each single-reduction loop vectorises, a joint one does not
+            if fused:
+                for i in range(64):
+                    m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
+            else:
+                for i in range(64):
+                    m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+            for i in range(64):
+                a1 |= np.uint64((snap[s + i] & msk) >= t1) << np.uint64(i)
+            for i in range(64):
+                a2 |= np.uint64((snap[s + i] & msk) >= t2) << np.uint64(i)
+            for i in range(64):
+                a3 |= np.uint64((snap[s + i] & msk) >= t3) << np.uint64(i)
+            valid = np.uint64(0xFFFFFFFFFFFFFFFF)
+        else:
+            for i in range(e - s):
+                if fused:
+                    m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
+                else:
+                    m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+                v = snap[s + i] & msk
+                a1 |= np.uint64(v >= t1) << np.uint64(i)
+                a2 |= np.uint64(v >= t2) << np.uint64(i)
+                a3 |= np.uint64(v >= t3) << np.uint64(i)
+            valid = (one << np.uint64(e - s)) - one
+        lb = b - g0
+        cms[lb, 0], cms[lb, 1], cms[lb, 2], cms[lb, 3] = _class_masks(a1, a2, a3, valid)
+        for c in range(N_CLASSES):
+            at[lb, c] = run[c]
+            run[c] += np.int64(_popcount64(cms[lb, c]))
+        cnt = _flatten(m, s, idx, cnt)
+        if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
+            for q in range(cnt):
+                j = idx[q]
+                lb = (j >> 6) - g0
+                bit = np.uint64(j & 63)
+                c = np.int64((cms[lb, 1] >> bit) & one) + 2 * np.int64(((cms[lb, 2] | cms[lb, 3]) >> bit) & one) \
+                    + np.int64((cms[lb, 3] >> bit) & one)
+                rank = at[lb, c] + np.int64(_popcount64(cms[lb, c] & ((one << bit) - one)))
+                h = _load(src, j, fused)
+                o = np.uint64(snap[j])
+                snap[j] = h
+                hsum += mix64(base + j, o)
+                rec_gap[k] = rank - prev[c] - 1
+                prev[c] = rank
+                rec_ctx[k] = np.uint8(c | (value_ctx(o, mmask, mant_bits, vtop) << 2))
+                rec_z[k] = _zigzag(h, o, width)
+                counts[c] += 1
+                bo = exp_bin(o, mmask, mant_bits, bias)
+                hc[bo] += 1
+                bn = exp_bin(h, mmask, mant_bits, bias)
+                if bn != bo:
+                    hn_delta[bo] -= 1
+                    hn_delta[bn] += 1
+                k += 1
+            cnt = 0
+            g0 = b + 1
+    return k, hsum
+
+
+@numba.njit(nogil=True, cache=True)
+def best_split(hn, hc):  # pragma: no cover - compiled
+    """Start bins of the (at most) ``N_CLASSES`` contiguous classes of exponent bins minimising
+    ``Σ n_c · H(changes_c / n_c)`` (bits to code the change mask given the classes), by dynamic
+    programming; ``hn`` / ``hc`` are elements and changes per bin (float64)."""
+    size = hn.shape[0]
+    cn = np.zeros(size + 1)
+    cc = np.zeros(size + 1)
+    for i in range(size):
+        cn[i + 1] = cn[i] + hn[i]
+        cc[i + 1] = cc[i] + hc[i]
+    kmax = min(N_CLASSES, size)
+    best = np.full((kmax + 1, size + 1), np.inf)
+    arg = np.zeros((kmax + 1, size + 1), np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, kmax + 1):
+        for j in range(1, size + 1):
+            for i in range(k - 1, j):
+                nn = cn[j] - cn[i]
+                ch = cc[j] - cc[i]
+                cost = 0.0
+                if nn > 0 and 0 < ch < nn:
+                    p = ch / nn
+                    cost = -nn * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+                v = best[k - 1, i] + cost
+                if v < best[k, j]:
+                    best[k, j] = v
+                    arg[k, j] = i
+    out = np.zeros(kmax, np.int64)
+    j = size
+    for k in range(kmax, 0, -1):
+        out[k - 1] = arg[k, j]
+        j = arg[k, j]
+    return out
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def exp_histogram(bits, mm, mant_bits, bias, out):  # pragma: no cover - compiled
+    """``out[bin] +=`` the elements of ``bits`` in each exponent bin (the snapshot's statistics)."""
+    mmask = np.uint64(mm[0])
+    for i in range(bits.shape[0]):
+        out[exp_bin(bits[i], mmask, mant_bits, bias)] += 1
+
+
+# ------------------------------------------------------------ symbols and coding
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def count_symbols(rec_gap, rec_ctx, rec_z, n, wslot, hist):  # pragma: no cover - compiled
+    """Add the symbols of ``n`` records to ``hist[table, symbol]``: gaps to table
+    ``wslot * N_CLASSES + class``, value codes (minus one: never zero) to
+    ``4 * N_CLASSES + wslot * N_VCTX + value context``."""
+    for i in range(n):
+        c = np.int64(rec_ctx[i] & 3)
+        v = np.int64(rec_ctx[i] >> 2)
+        sg, _ = symbol_of(np.uint64(rec_gap[i]))
+        hist[wslot * N_CLASSES + c, sg] += 1
+        sv, _ = symbol_of(np.uint64(rec_z[i]) - np.uint64(1))
+        hist[4 * N_CLASSES + wslot * N_VCTX + v, sv] += 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, bufg, bufv):  # pragma: no cover - compiled
+    """rANS-code one segment's records backwards into the ends of ``bufg`` (gaps) and ``bufv``
+    (value codes); returns where each stream starts. ``tmap`` maps context ids to rows of ``enc``.
+
+    Gaps and value codes are two streams with a coder state each (the decoder's two dependency
+    chains run in parallel); each stream starts with its state's final value (four bytes).
+    Decoding order (the reverse of the coding order): the first gap of each class that has
+    changes (classes in order), then for every change in position order its value code, then,
+    unless it is the last change of its class, the gap to its class's next change.
+    """
+    pg = bufg.shape[0]
+    pv = bufv.shape[0]
+    xg = np.uint64(RANS_L)
+    xv = np.uint64(RANS_L)
+    pend = np.zeros(N_CLASSES, np.uint64)
+    has = np.zeros(N_CLASSES, np.bool_)
+    tg = wslot * N_CLASSES
+    tv = 4 * N_CLASSES + wslot * N_VCTX
+    for i in range(n - 1, -1, -1):
+        c = np.int64(rec_ctx[i] & 3)
+        v = np.int64(rec_ctx[i] >> 2)
+        if has[c]:
+            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
+        xv, pv = put_value(xv, bufv, pv, enc, tmap[tv + v], np.uint64(rec_z[i]) - np.uint64(1))
+        pend[c] = np.uint64(rec_gap[i])
+        has[c] = True
+    for c in range(N_CLASSES - 1, -1, -1):
+        if has[c]:
+            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
+    return flush(xg, bufg, pg), flush(xv, bufv, pv)
+
+
+# ------------------------------------------------------------------ the receiver
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def decode_segment(old, buf, p0, pm, p1, thr, mm, stat, counts, slots, freq, start, tmap, wslot, out_pos, out_z,
+                   base):  # pragma: no cover - compiled
+    """Decode one segment against the receiver's old bits ``old`` (the segment's elements,
+    read only): positions (``base`` + index, into ``out_pos``) and value codes (``out_z``), in
+    position order. Its gap stream is ``buf[p0:pm]``, its value stream ``buf[pm:p1]``.
+    ``counts`` are the changes per class the patch announces; ``tmap`` maps context ids to
+    table rows (``-1``: no table). Returns the number of changes, or a negative error: -1 a
+    stream ends early, -2 a change lies beyond the segment, -3 a value code out of range for
+    the dtype, -4 bytes left over or a wrong final state, -5 a symbol of a context without a
+    table.
+    """
+    width = _width(old)
+    n = old.shape[0]
+    t1, t2, t3, msk = thr[0], thr[1], thr[2], mm[0]
+    mmask = np.uint64(msk)
+    mant_bits, vtop = stat[0], stat[2]
+    zmax = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 8 else (np.uint64(1) << np.uint64(8 * width)) - np.uint64(1)
+    tg = wslot * N_CLASSES
+    tv = 4 * N_CLASSES + wslot * N_VCTX
+    left = np.zeros(N_CLASSES, np.int64)
+    target = np.zeros(N_CLASSES, np.int64)
+    total = 0
+    for c in range(N_CLASSES):
+        left[c] = counts[c]
+        total += counts[c]
+        if counts[c] and tmap[tg + c] < 0:
+            return -5
+    if total == 0:
+        return 0 if p1 == p0 and pm == p0 else -4
+    xg, p = start_state(buf, p0, pm)
+    xv, q = start_state(buf, pm, p1)
+    if p < 0 or q < 0:
+        return -1
+    for c in range(N_CLASSES):
+        if left[c]:
+            g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
+            if g >= np.uint64(n):
+                return -2
+            target[c] = np.int64(g)
+    k = 0
+    cand = np.full(N_CLASSES, 64, np.int64)
+    pc = np.zeros(N_CLASSES, np.int64)
+    ms = np.zeros(N_CLASSES, np.uint64)
+    nblocks = (n + 63) // 64
+    one = np.uint64(1)
+    for b in range(nblocks):
+        if k == total:
+            break
+        s = b * 64
+        e = min(n, s + 64)
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        a3 = np.uint64(0)
+        if e - s == 64:
+            for i in range(64):
+                a1 |= np.uint64((old[s + i] & msk) >= t1) << np.uint64(i)
+            for i in range(64):
+                a2 |= np.uint64((old[s + i] & msk) >= t2) << np.uint64(i)
+            for i in range(64):
+                a3 |= np.uint64((old[s + i] & msk) >= t3) << np.uint64(i)
+            valid = np.uint64(0xFFFFFFFFFFFFFFFF)
+        else:
+            for i in range(e - s):
+                v = old[s + i] & msk
+                a1 |= np.uint64(v >= t1) << np.uint64(i)
+                a2 |= np.uint64(v >= t2) << np.uint64(i)
+                a3 |= np.uint64(v >= t3) << np.uint64(i)
+            valid = (one << np.uint64(e - s)) - one
+        ms[0], ms[1], ms[2], ms[3] = _class_masks(a1, a2, a3, valid)
+        for c in range(N_CLASSES):
+            pc[c] = np.int64(_popcount64(ms[c]))
+            cand[c] = next_in(ms[c], target[c], pc[c]) if left[c] else 64
+        while True:
+            j01 = min(cand[0], cand[1])
+            j23 = min(cand[2], cand[3])
+            j = min(j01, j23)
+            if j >= 64:
+                break
+            c = (0 if cand[0] == j01 else 1) if j01 <= j23 else (2 if cand[2] == j23 else 3)
+            pos = s + j
+            o = old[pos]
+            t = tmap[tv + value_ctx(o, mmask, mant_bits, vtop)]
+            if t < 0:
+                return -5
+            v, xv, q = get_value(xv, buf, q, p1, slots, freq, start, t)
+            if q > p1:
+                return -1
+            if v >= zmax:
+                return -3
+            out_pos[k] = base + pos
+            out_z[k] = v + one
+            k += 1
+            left[c] -= 1
+            cand[c] = 64
+            if left[c]:
+                g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
+                if g >= np.uint64(n):
+                    return -2
+                target[c] += np.int64(g) + 1
+                cand[c] = next_in(ms[c], target[c], pc[c])
+        for c in range(N_CLASSES):
+            if left[c]:
+                target[c] -= pc[c]
+    if k != total:
+        return -2
+    if p > pm or q > p1:
+        return -1
+    if p != pm or q != p1 or xg != np.uint64(RANS_L) or xv != np.uint64(RANS_L):
+        return -4
+    return k
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def write_codes(target, pos, z, out_old):  # pragma: no cover - compiled
+    """The ``ctx`` patch writer: ``target[pos[i]]`` moves by value code ``z[i]``; the overwritten
+    bits go to ``out_old`` (the write's journal, for :func:`restore_codes`). Returns their drift
+    hash (the sum of :func:`mix64` over the changes, modulo 2**64)."""
+    width = _width(target)
+    h = np.uint64(0)
+    for i in range(pos.shape[0]):
+        j = pos[i]
+        o = target[j]
+        out_old[i] = o
+        h += mix64(j, o)
+        target[j] = unzigzag(o, np.uint64(z[i]), width)
+    return h
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def restore_codes(target, pos, old):  # pragma: no cover - compiled
+    """Undo :func:`write_codes`."""
+    for i in range(pos.shape[0]):
+        target[pos[i]] = old[i]
