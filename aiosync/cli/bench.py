@@ -164,6 +164,9 @@ MODES = {
                                               "init_sync": {"enabled": True}}},
     "patch": "weight_syncer/patch_syncer",
     "bucket": "weight_syncer/bucket_syncer",
+    # the two compact encodings side by side, whichever the shipped config is
+    "patch-flat": {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}},
+    "patch-ctx": {"type": "patch", "patch": {"encoding": "ctx", "compression": "none", "init_sync": {"enabled": True}}},
 }
 
 
@@ -328,7 +331,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (RL range 1e-6 to 3e-6)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the first sync")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket")
+    p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket,patch-flat,patch-ctx")
     p.add_argument("--rounds", type=int, default=3, help="timed in-process syncs per mode; medians are reported")
     p.add_argument("--quick", action="store_true", help="a small run (about 4 M elements)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -100,8 +100,8 @@ class PatchConfig:
     snapshot_device: str = "cpu"
     transport_device: str | None = "cpu"  # null means cpu
     delta_encoding: bool = True
-    compression: str = "none"
-    encoding: str = "ctx"
+    compression: str = "zstd"
+    encoding: str = "flat"
     compression_level: int = 1
     recv_timeout: float | None = 600.0
     verify_checksums: bool = False
