@@ -8,6 +8,8 @@ the backend even in a spawned process. Registration is by module path: the backe
 
 from __future__ import annotations
 
+import sys
+
 #: The name engines select: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "aiosync"
 
@@ -16,8 +18,23 @@ def register() -> None:
     """Register the ``aiosync`` weight-transfer backend with vLLM. Safe to call more than once."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
+    _shield_llvmlite()
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "aiosync.engines.vllm_backend",
                                                     "AiosyncWeightTransferEngine")
     except ValueError:  # already registered: the plugin ran in this process before
         pass
+
+
+def _shield_llvmlite() -> None:
+    """Work around a vLLM 0.32 CPU start-up crash when numba (aiosync's kernels) was imported
+    first: vLLM's CPU worker scans every module for Triton kernels to replace and reads
+    ``vars(value)`` of anything that has a ``__dict__``; llvmlite's ``ffi.lib`` answers every
+    attribute, ``__dict__`` included, with a C-function wrapper, and the scan fails with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Giving ``lib`` an empty
+    ``__dict__`` entry in its function table (consulted first) makes the scan skip it; llvmlite
+    never looks that name up itself."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
