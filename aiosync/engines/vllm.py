@@ -119,6 +119,16 @@ def output_versions(output: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _close_update(finish: Any) -> None:
+    """After a failed ``update_weights``: end the engine's update so that the layers that were
+    not reloaded get their weights back (vLLM's layerwise reload) and a new update can start.
+    A worker whose own ``update_weights`` raised has closed it already; that refusal is fine."""
+    try:
+        finish()
+    except Exception:
+        pass
+
+
 def _engine_kind(engine: Any) -> str:
     from vllm import LLM
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -349,8 +359,12 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": self._init_info()})
             self._initialized = True
         llm.collective_rpc("start_weight_update")
-        for bucket in self._buckets(keys, label):  # in-process: the tensors travel by reference
-            llm.collective_rpc("update_weights", kwargs={"update_info": {"bucket": bucket}})
+        try:
+            for bucket in self._buckets(keys, label):  # in-process: the tensors travel by reference
+                llm.collective_rpc("update_weights", kwargs={"update_info": {"bucket": bucket}})
+        except BaseException:
+            _close_update(lambda: llm.collective_rpc("finish_weight_update"))
+            raise
         llm.collective_rpc("finish_weight_update")
         if label is not None:
             llm.llm_engine.set_weight_version(str(label))
@@ -372,9 +386,17 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                                                                         clear_cache=self.clear_cache))
         try:
             await self._bounded("start_weight_update", engine.start_weight_update())
-            for data in payloads:  # another process: the bucket as safetensors bytes
-                await self._bounded("update_weights", engine.update_weights(
-                    WeightTransferUpdateRequest(update_info={"bucket_bytes": data})))
+            try:
+                for data in payloads:  # another process: the bucket as safetensors bytes
+                    await self._bounded("update_weights", engine.update_weights(
+                        WeightTransferUpdateRequest(update_info={"bucket_bytes": data})))
+            except BaseException:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
+                    try:
+                        await engine.finish_weight_update()
+                    except Exception:  # the worker closed it already (a failed update_weights does)
+                        pass
+                raise
             await self._bounded("finish_weight_update", engine.finish_weight_update(
                 weight_version=None if label is None else str(label)))
         finally:

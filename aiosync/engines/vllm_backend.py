@@ -127,11 +127,22 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
 
 def read_parameters(worker: Any, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """``collective_rpc`` helper (in-process engines): copies of the worker's parameters that
-    exist in checkpoint form — same name and shape as in ``layout`` (``{name: shape}``). A
-    re-packed or fused parameter (an empty ``weight``, ``qkv_proj``) is not in checkpoint form."""
+    exist in checkpoint form, keyed like ``layout`` (``{name: checkpoint shape}``): the same name
+    and shape, or a vocabulary embedding padded with extra rows (vLLM pads the vocabulary; the
+    first rows are the checkpoint's, with one tensor-parallel rank). A re-packed or fused
+    parameter (the empty ``weight`` of a CPU linear layer, ``qkv_proj``) is not in checkpoint form."""
     out = {}
+    model = worker.get_model()
     with torch.no_grad():
-        for name, p in worker.get_model().named_parameters():
-            if name in layout and p.numel() and tuple(p.shape) == tuple(layout[name]):
+        for name, p in model.named_parameters():
+            shape = layout.get(name)
+            if shape is None or not p.numel() or p.dim() != len(shape):
+                continue
+            if tuple(p.shape) == tuple(shape):
                 out[name] = p.detach().to("cpu", copy=True)
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            padded = getattr(module, "org_vocab_size", None) == shape[0] and getattr(module, "tp_size", 1) == 1
+            if padded and p.shape[0] > shape[0] and tuple(p.shape[1:]) == tuple(shape[1:]):
+                out[name] = p.detach()[: shape[0]].to("cpu", copy=True)
     return out

@@ -8,8 +8,6 @@ the backend even in a spawned process. Registration is by module path: the backe
 
 from __future__ import annotations
 
-import sys
-
 #: The name engines select: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "aiosync"
 
@@ -27,14 +25,18 @@ def register() -> None:
 
 
 def _shield_llvmlite() -> None:
-    """Work around a vLLM 0.32 CPU start-up crash when numba (aiosync's kernels) was imported
-    first: vLLM's CPU worker scans every module for Triton kernels to replace and reads
+    """Work around a vLLM 0.32 CPU start-up crash in a process that imports numba (aiosync's
+    kernels do): vLLM's CPU worker scans every module for Triton kernels to replace and reads
     ``vars(value)`` of anything that has a ``__dict__``; llvmlite's ``ffi.lib`` answers every
     attribute, ``__dict__`` included, with a C-function wrapper, and the scan fails with
     ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Giving ``lib`` an empty
     ``__dict__`` entry in its function table (consulted first) makes the scan skip it; llvmlite
-    never looks that name up itself."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
+    never looks that name up itself. Done here, in every vLLM process, whether numba is
+    imported before or after the engine starts (importing llvmlite costs ~0.1 s)."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:  # no numba here: nothing to shield
+        return
     table = getattr(getattr(ffi, "lib", None), "_fntab", None)
     if isinstance(table, dict):
         table.setdefault("__dict__", {})
