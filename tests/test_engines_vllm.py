@@ -153,6 +153,42 @@ async def test_a_write_that_changes_part_of_a_layer_sends_the_whole_layer(llm, t
     target.close()
 
 
+async def test_the_remote_explorer_api_drives_the_engine_the_same_way(llm, trainer_model):
+    """``Explorer(name, target, transport)`` on the engine's side and ``serve_remote`` on the
+    trainer's, every message through the frame codec of the process transports."""
+    from aiosync.coordination import Explorer
+    from test_coordination_remote import wires
+
+    (a, b), = wires(1)
+    target = VLLMTarget(llm)
+    opt = make_optimizer(trainer_model)
+    ready, finish, box = anyio.Event(), anyio.Event(), {}
+
+    async def engine_side():
+        async with Explorer("vllm", target, b) as explorer:
+            box["explorer"] = explorer
+            ready.set()
+            await finish.wait()
+
+    with anyio.fail_after(4 * HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            async with Synchronizer({"style": "fixed"}, PATCH) as sync:
+                trainer = await sync.attach_trainer(trainer_model)
+                sync.serve_remote(a)
+                tg.start_soon(engine_side)
+                await ready.wait()
+                explorer = box["explorer"]
+                assert explorer.version == 0
+                for v in (1, 2):
+                    await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 70 + v)
+                    await trainer.sync_weight(v)
+                    assert await explorer.sync_weight() == v
+                    await assert_engine_holds(target, trainer_model, v)
+                await trainer.stop()
+                finish.set()
+    target.close()
+
+
 async def test_bucket_sync_ends_the_same_way(llm, trainer_model):
     target = VLLMTarget(llm, bucket_size=1 << 15)  # several update_weights calls per write
     opt = make_optimizer(trainer_model)
