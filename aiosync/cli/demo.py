@@ -170,25 +170,33 @@ def _render(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoCon
     return Group(top, per)
 
 
-async def _progress(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoConfig, state: DemoState,
-                    console: Any, live: bool) -> None:
+async def show_progress(render: Any, line: Any, state: Any, console: Any, live: bool) -> None:
+    """Until ``state.stopping``: a live table (``render()``) in a terminal, else (CI, a pipe) the
+    plain ``line()`` every 5 seconds. Shared by the demos."""
     if live:
         from rich.live import Live
 
         with Live(console=console, auto_refresh=False, transient=False) as view:
             while not state.stopping:
-                view.update(_render(sync, trainer, explorers, cfg, state), refresh=True)
+                view.update(render(), refresh=True)
                 await asyncio.sleep(0.25)
-            view.update(_render(sync, trainer, explorers, cfg, state), refresh=True)
+            view.update(render(), refresh=True)
         return
     next_line = 5.0
-    while not state.stopping:       # not a terminal (CI, a pipe): a plain line every 5 s
+    while not state.stopping:
         if state.elapsed() >= next_line:
             next_line += 5.0
-            console.print(f"[{state.elapsed():5.1f}s] step {trainer.step}/{cfg.steps}  version {trainer.version}  "
-                          f"mean return {state.mean_return(cfg.return_window):6.1f}  explorer versions "
-                          f"{[h.version for h in explorers]}  dropped {state.dropped}", highlight=False)
+            console.print(f"[{state.elapsed():5.1f}s] {line()}", highlight=False)
         await asyncio.sleep(0.25)
+
+
+async def _progress(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoConfig, state: DemoState,
+                    console: Any, live: bool) -> None:
+    await show_progress(lambda: _render(sync, trainer, explorers, cfg, state),
+                        lambda: f"step {trainer.step}/{cfg.steps}  version {trainer.version}  mean return "
+                                f"{state.mean_return(cfg.return_window):6.1f}  explorer versions "
+                                f"{[h.version for h in explorers]}  dropped {state.dropped}",
+                        state, console, live)
 
 
 # ------------------------------------------------------------------ the run

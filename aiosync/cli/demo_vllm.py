@@ -31,6 +31,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.grpo import CountTask, GRPOConfig, ModelShape, greedy, grpo_update, make_batch, make_tiny_llama
+from .demo import show_progress
 
 JSON_KEYS = ("engine", "initial_mean_reward", "final_mean_reward", "steps", "syncs", "coalesced", "mean_staleness",
              "bytes_synced", "engine_bit_exact", "seconds")
@@ -159,22 +160,10 @@ def _render(sync: Synchronizer, trainer: Any, explorer: Any, target: Any, cfg: V
 
 async def _progress(sync: Synchronizer, trainer: Any, explorer: Any, target: Any, cfg: VLLMDemoConfig,
                     state: VLLMDemoState, console: Any, live: bool) -> None:
-    if live:
-        from rich.live import Live
-
-        with Live(console=console, auto_refresh=False, transient=False) as view:
-            while not state.stopping:
-                view.update(_render(sync, trainer, explorer, target, cfg, state), refresh=True)
-                await asyncio.sleep(0.25)
-            view.update(_render(sync, trainer, explorer, target, cfg, state), refresh=True)
-        return
-    next_line = 5.0
-    while not state.stopping:       # not a terminal (CI, a pipe): a plain line every 5 s
-        if state.elapsed() >= next_line:
-            next_line += 5.0
-            console.print(f"[{state.elapsed():5.1f}s] step {trainer.step}/{cfg.steps}  version {trainer.version}  "
-                          f"reward {state.recent_reward():.3f}  engine version {explorer.version}", highlight=False)
-        await asyncio.sleep(0.25)
+    await show_progress(lambda: _render(sync, trainer, explorer, target, cfg, state),
+                        lambda: f"step {trainer.step}/{cfg.steps}  version {trainer.version}  reward "
+                                f"{state.recent_reward():.3f}  engine version {explorer.version}",
+                        state, console, live)
 
 
 # ------------------------------------------------------------------ the run and the final check
