@@ -32,6 +32,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.ppo import ActorCritic, EnvRunner, PPOConfig, ppo_update
+from .progress import show_progress
 
 
 @dataclass
@@ -168,26 +169,6 @@ def _render(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoCon
         per.add_row(h.name, str(h.version), str(row.get("staleness", "-")), str(len(state.lease_versions[h.name])),
                     f"{state.env_steps.get(h.name, 0):,}", str(row["delivered"]), f"{row['bytes_sent']:,}")
     return Group(top, per)
-
-
-async def show_progress(render: Any, line: Any, state: Any, console: Any, live: bool) -> None:
-    """Until ``state.stopping``: a live table (``render()``) in a terminal, else (CI, a pipe) the
-    plain ``line()`` every 5 seconds. Shared by the demos."""
-    if live:
-        from rich.live import Live
-
-        with Live(console=console, auto_refresh=False, transient=False) as view:
-            while not state.stopping:
-                view.update(render(), refresh=True)
-                await asyncio.sleep(0.25)
-            view.update(render(), refresh=True)
-        return
-    next_line = 5.0
-    while not state.stopping:
-        if state.elapsed() >= next_line:
-            next_line += 5.0
-            console.print(f"[{state.elapsed():5.1f}s] {line()}", highlight=False)
-        await asyncio.sleep(0.25)
 
 
 async def _progress(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoConfig, state: DemoState,

@@ -31,7 +31,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.grpo import CountTask, GRPOConfig, ModelShape, greedy, grpo_update, make_batch, make_tiny_llama
-from .demo import show_progress
+from .progress import show_progress
 
 JSON_KEYS = ("engine", "initial_mean_reward", "final_mean_reward", "steps", "syncs", "coalesced", "mean_staleness",
              "bytes_synced", "engine_bit_exact", "seconds")
