@@ -227,6 +227,10 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._shadow)
 
+    # an engine handle: equal only to itself (Mapping would compare every tensor), hashable
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return (f"VLLMTarget({type(self.engine).__name__}, {len(self)} tensors, version={self.version}, "
                 f"pause_mode={self.pause_mode!r})")
