@@ -407,7 +407,8 @@ def test_vllm_finds_the_backend_through_the_plugin_entry_point():
 
     code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "from vllm.distributed.weight_transfer import WeightTransferEngineFactory as F; "
-            "cls = F._registry['aiosync'](); print(cls.__module__, cls.__name__, 'aiosync.engines.vllm' in sys.modules)")
+            "cls = F._registry['aiosync'](); "
+            "print(cls.__module__, cls.__name__, 'aiosync.engines.vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["aiosync.engines.vllm_backend", "AiosyncWeightTransferEngine", "False"]

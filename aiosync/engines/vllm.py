@@ -199,7 +199,8 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         groups = layerwise_groups(list(self._shadow))  # vLLM's own partition: one group per decoder layer
         self._group_of = {k: i for i, g in enumerate(groups) for k in g}
         self._groups = groups
-        self.pause_mode, self.clear_cache, self.bucket_size, self.timeout = pause_mode, clear_cache, bucket_size, timeout
+        self.pause_mode, self.clear_cache = pause_mode, clear_cache
+        self.bucket_size, self.timeout = bucket_size, timeout
         #: The version the engine holds (as labelled), ``None`` before the first write.
         self.version: int | None = None
         #: Why the target gave up (the engine's weights are unknown), or ``None``.
