@@ -8,6 +8,8 @@ Layout (bottom to top; a layer imports only the ones below it — ``docs/archite
   and :mod:`aiosync.checkpoints` (a directory of version-stamped files);
 * :mod:`aiosync.syncers` (how weights travel: patch, bucket, codecs), seeing only send/recv;
 * :mod:`aiosync.coordination` (when they travel: synchronizer, trainer, explorers, slots);
+  beside it :mod:`aiosync.engines` (inference engines as explorer models: vLLM), imported only
+  when used;
 * :mod:`aiosync.runners` (loop skeletons) and :mod:`aiosync.cli` (``aiosync demo|bench|simulate``).
 
 ``import aiosync`` is cheap: the names below are imported from their modules when first used.
@@ -38,7 +40,7 @@ _EXPORTS = {
     "WeightSyncer": "aiosync.syncers", "PatchWeightSyncer": "aiosync.syncers",
     "BucketWeightSyncer": "aiosync.syncers", "WeightPatch": "aiosync.syncers", "EmptyWeightPatch": "aiosync.syncers",
     "CompressedWeightPatch": "aiosync.syncers", "WeightSyncerConfig": "aiosync.syncers",
-    "StagedWrite": "aiosync.syncers", "as_coo_2d_view": "aiosync.syncers", "delta_encode": "aiosync.syncers",
+    "StagedWrite": "aiosync.syncers", "CommitTarget": "aiosync.syncers", "as_coo_2d_view": "aiosync.syncers", "delta_encode": "aiosync.syncers",
     "delta_decode": "aiosync.syncers", "downscale_nonnegative_indices": "aiosync.syncers",
     "collect_param_names_need_sync": "aiosync.syncers", "iter_named_tensor_buckets": "aiosync.syncers",
     "gather_full_state": "aiosync.syncers", "warm_up": "aiosync.syncers.kernels_warmup",

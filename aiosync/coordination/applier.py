@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from ..errors import AiosyncError, ApplyError, ClosedResourceError, EndOfStream, PayloadError, PeerTimeoutError
-from ..syncers.base import StagedWrite, WeightSyncer
+from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.state_dicts import module_state_dict
 from ..transports.base import Transport
@@ -39,6 +39,11 @@ log = logging.getLogger("aiosync.sync")
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _unstageable(receiver: WeightSyncer) -> ApplyError:
+    return ApplyError(f"{type(receiver).__name__} cannot stage, and this explorer's model is a CommitTarget (an "
+                      "inference engine) that only a staged write can update; use the patch or bucket syncer")
 
 
 @dataclass(eq=False)
@@ -101,6 +106,8 @@ class Applier:
         if receiver is None:
             return self._refused(msg.version, PayloadError("received weights before the syncer pair was initialised"))
         if not receiver.supports_staging:
+            if isinstance(self.slot.model, CommitTarget):
+                return self._refused(msg.version, _unstageable(receiver))
             # An all-or-nothing apply (supports_no_wait) needs no backup.
             return await self._unstaged(msg.version, lambda model: self._apply_packet(model, receiver, msg),
                                         backup=False if receiver.supports_no_wait else None)
@@ -109,7 +116,9 @@ class Applier:
     async def _reinit(self, msg: Reinit) -> Ack:
         receiver = self.syncers.make(msg.bootstrap)
         self._conv = msg.conv
-        if not receiver.supports_staging:
+        if not receiver.supports_staging and isinstance(self.slot.model, CommitTarget):
+            ack = self._refused(msg.version, _unstageable(receiver))
+        elif not receiver.supports_staging:
             ack = await self._unstaged(msg.version, lambda model: self._reinit_inside(model, receiver, msg),
                                        backup=None, allow_same=True)
         else:

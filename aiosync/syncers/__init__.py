@@ -16,7 +16,7 @@ Importing this package registers both implementations for ``WeightSyncer.create`
 nothing of the transports or of the coordination layer.
 """
 
-from .base import StagedWrite, SyncStatistics, WeightSyncer
+from .base import CommitTarget, StagedWrite, SyncStatistics, WeightSyncer
 from .bucket import BucketWeightSyncer
 from .bucket_format import iter_named_tensor_buckets
 from .config import BucketConfig, CommOptions, InitSyncConfig, PatchConfig, WeightSyncerConfig
@@ -27,7 +27,8 @@ from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata,
 from .state_dicts import collect_param_names_need_sync, gather_full_state
 
 __all__ = [
-    "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "SyncStatistics", "SyncerFactory",
+    "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "CommitTarget", "SyncStatistics",
+    "SyncerFactory",
     "syncer_factory", "create_syncer", "WeightPatch", "EmptyWeightPatch", "CompressedWeightPatch",
     "ReceiverMetadata", "SenderHello", "as_coo_2d_view", "downscale_nonnegative_indices", "delta_encode",
     "delta_decode", "collect_param_names_need_sync", "gather_full_state", "iter_named_tensor_buckets",

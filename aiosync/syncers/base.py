@@ -20,6 +20,10 @@ Staged receiver side (F3: only the write needs the model exclusively)::
     async with exclusive_access(model):
         version = await staged.write(model)                      # all-or-nothing
 
+A receiver model may also be a :class:`CommitTarget`: a mapping of host tensors that stand for
+weights held elsewhere (an inference engine's). A staged write then writes the mapping and
+calls its ``commit_write`` before the write counts, in the same all-or-nothing step.
+
 Implementations register under their config ``type`` with a class keyword
 (``class PatchWeightSyncer(WeightSyncer, type_name="patch")``); :meth:`WeightSyncer.create`
 looks them up, so this module imports none of them.
@@ -28,9 +32,9 @@ looks them up, so this module imports none of them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -92,6 +96,25 @@ class StagedWrite:
     nbytes: int = 0
     changed: int | None = None
     stage_s: float = 0.0
+
+
+@runtime_checkable
+class CommitTarget(Protocol):
+    """A receiver model whose tensors live elsewhere (an inference engine), written through a
+    host-side mapping of them in checkpoint names.
+
+    Such a model is a ``Mapping[str, torch.Tensor]`` (what a syncer reads and writes, like any
+    dict of tensors) with one more coroutine. A staged write (:class:`StagedWrite`) first writes
+    the mapping, all-or-nothing, then awaits ``commit_write(keys, version)``: make the real
+    weights equal the mapping's tensors ``keys`` (the ones the write changed; the target may
+    send more) and label them ``version`` (``None``: keep the label they have). Only when it
+    returns does the write count. If it raises, the write is undone in the mapping and
+    ``commit_write(keys, None)`` is awaited once more to put the old values back into the real
+    weights; then the error propagates (the explorer's version stays). Staging syncers (patch,
+    bucket) call it; an explorer refuses a syncer that cannot stage for such a model.
+    """
+
+    async def commit_write(self, keys: Sequence[str], version: int | None) -> None: ...
 
 
 class WeightSyncer(ABC):

@@ -24,7 +24,7 @@ from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .bucket_format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys,
                             check_version, iter_named_tensor_buckets, seal_bucket)
 from .config import BucketConfig
-from .staging import FullStateWrite, Journal, warm_up_kernels
+from .staging import FullStateWrite, Journal, commit_write, warm_up_kernels
 from .state_dicts import module_state_dict, select_sync_names
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
@@ -184,7 +184,8 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         target = module_state_dict(model)
         t0 = time.perf_counter()
         with anyio.CancelScope(shield=True):  # a cancellation cannot split the write from its commit
-            changed = await run_sync(self._write_sync, target, plan, rollback)
+            changed, journal = await run_sync(self._write_sync, target, plan, rollback)
+            await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
             self.version = version
             self._generation += 1
         write_s = time.perf_counter() - t0
@@ -193,12 +194,14 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
                                           stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s)
         return version
 
-    def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite, rollback: bool) -> int:
-        """The exclusive part (a worker thread): writes the plan, undone whole on failure."""
+    def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite,
+                    rollback: bool) -> tuple[int, Journal | None]:
+        """The exclusive part (a worker thread): writes the plan, undone whole on failure.
+        Returns the elements written and the journal that undoes them."""
         journal = Journal() if rollback else None
         try:
             plan.check(target)
-            return plan.write(target, journal, self.after_each_write)
+            return plan.write(target, journal, self.after_each_write), journal
         except BaseException as exc:
             if journal is not None:
                 journal.rollback()

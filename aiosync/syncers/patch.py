@@ -47,7 +47,7 @@ from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtyp
 from .patch_receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch, write_patch
 from .payloads import ReceiverMetadata, SenderHello, WeightPatch
 from .snapshot import FlatDiff, Snapshot
-from .staging import FullStateWrite, Journal, warm_up_kernels
+from .staging import FullStateWrite, Journal, commit_write, warm_up_kernels
 from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
@@ -446,10 +446,12 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         # Written and committed as one step: a cancellation arriving while the worker thread
         # writes (it cannot be interrupted) must not leave new weights under the old version.
         with anyio.CancelScope(shield=True):
-            changed = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
+            changed, keys, journal = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
+            new_version = prepared.version if prepared is not None else None
+            await commit_write(model, keys, new_version, journal)  # an engine behind the model (CommitTarget)
             if pending is not None:
                 self._rx, self._pending = pending.rx, None
-            version = self.version = prepared.version if prepared is not None else None
+            version = self.version = new_version
             self._generation += 1
         write_s = time.perf_counter() - t0
         stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
@@ -459,18 +461,21 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         return version
 
     def _write_sync(self, target, rx: ReceiverState, pending: _PendingInit | None, prepared: PreparedPatch | None,
-                    rollback: bool) -> int:
-        """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure."""
+                    rollback: bool) -> tuple[int, list[str], Journal | None]:
+        """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure.
+        Returns the elements and the keys written, and the journal that undoes them."""
         journal = Journal() if rollback else None
         try:
-            changed = 0
+            changed, keys = 0, []
             if pending is not None and pending.plan is not None:
                 pending.plan.check(target)
                 changed += pending.plan.write(target, journal, self.after_each_write)
+                keys += pending.plan.written_keys
             if prepared is not None and (prepared.decoded or prepared.deferred is not None):
                 complete_patch(prepared, rx, target)
                 changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
-            return changed
+                keys += [k for d, k in zip(prepared.decoded, prepared.keys) if d.count]
+            return changed, list(dict.fromkeys(keys)), journal
         except BaseException as exc:
             if journal is not None:
                 journal.rollback()

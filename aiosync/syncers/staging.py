@@ -10,6 +10,10 @@ write inside it, and a journal that makes the write all-or-nothing (S8).
   value when most of the tensor changed. :meth:`FullStateWrite.write`, inside, writes only
   those. A repair's exclusive section then costs about as much as a patch apply.
 
+:func:`commit_write` is the last step of every staged write: a :class:`~.base.CommitTarget`
+(an inference engine behind a host mapping) is told what was written, and a failure there
+undoes the write through its journal.
+
 The plan is made against the model as it is when staged: nothing else may write the staged
 tensors between staging and writing (a synchronizer's slot guarantees it; a write checks that
 each tensor is still the one planned against: same storage, shape and dtype).
@@ -17,14 +21,21 @@ each tensor is still the one planned against: same storage, shape and dtype).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import anyio
 import numpy as np
 import torch
 
+from ..aio import run_sync
 from ..errors import ApplyError
+from .base import CommitTarget
 from .snapshot import BITS_DTYPES, as_bits
+
+log = logging.getLogger("aiosync.sync")
 
 #: Elements compared per step when planning (bounds the planner's scratch memory).
 CHUNK_ELEMS = 1 << 20
@@ -125,6 +136,11 @@ class FullStateWrite:
         """Elements the write changes."""
         return sum(e.count for e in self._entries.values())
 
+    @property
+    def written_keys(self) -> list[str]:
+        """The keys whose tensors the write changes (in write order)."""
+        return [k for k, e in self._entries.items() if e.dense is not None or e.index is not None]
+
     def _drop(self, key: str, home: tuple) -> None:
         del self._entries[key]
         self._storages[home].remove(key)
@@ -213,6 +229,33 @@ class FullStateWrite:
                 if after_each is not None:
                     after_each(i, len(entries))
         return self.changed
+
+
+async def commit_write(model: Any, keys: Sequence[str], version: int | None, journal: Journal | None) -> None:
+    """The end of a staged write whose tensors are written: tell a :class:`CommitTarget` model.
+
+    A plain model or dict of tensors has nothing to commit. For a target, ``commit_write(keys,
+    version)`` runs; if it raises (or is cancelled) and the write has a ``journal``, the journal
+    is rolled back (a worker thread) and ``commit_write(keys, None)`` puts the old values back
+    into the real weights; then the error propagates. Call it shielded from cancellation, like
+    the write itself.
+    """
+    if not isinstance(model, CommitTarget):
+        return
+    try:
+        await model.commit_write(list(keys), version)
+    except BaseException as exc:
+        if journal is None:  # nothing to protect (no version was held): the target re-sends next time
+            raise
+        with anyio.CancelScope(shield=True):
+            await run_sync(journal.rollback)
+            try:
+                await model.commit_write(list(keys), None)
+            except Exception as again:  # the target marks itself broken; the first error is the one to see
+                log.warning("aiosync: putting the old weights back after a failed commit failed too: %s", again)
+                if isinstance(exc, Exception):
+                    exc.add_note(f"putting the old weights back failed too: {type(again).__name__}: {again}")
+        raise
 
 
 def warm_up_kernels(tensors) -> None:

@@ -1,0 +1,13 @@
+"""Inference engines as explorer models (imported only when used; ``import aiosync`` never loads them).
+
+* :mod:`aiosync.engines.vllm` — :class:`~aiosync.engines.vllm.VLLMTarget`: a vLLM engine
+  (offline ``LLM`` or ``AsyncLLM``) attached like any other explorer model,
+  ``await sync.attach_explorer(name, VLLMTarget(llm))``.
+* :mod:`aiosync.engines.vllm_backend` — the ``aiosync`` weight-transfer backend that runs in
+  vLLM's workers (registered with vLLM as a plugin, selected by
+  ``weight_transfer_config={"backend": "aiosync"}``).
+
+An engine target is a :class:`~aiosync.syncers.base.CommitTarget`: the syncers write a host
+mapping of the weights in checkpoint names, and the target makes the engine hold what was
+written (see docs/engines.md).
+"""

@@ -1,0 +1,42 @@
+"""The ``vllm.general_plugins`` entry point of aiosync (see ``pyproject.toml``).
+
+vLLM calls :func:`register` in every process it starts (the front end, engine-core and worker
+processes), so an engine started with ``weight_transfer_config={"backend": "aiosync"}`` finds
+the backend even in a spawned process. Registration is by module path: the backend
+(:mod:`aiosync.engines.vllm_backend`) is imported only where an engine selects it.
+"""
+
+from __future__ import annotations
+
+#: The name engines select: ``weight_transfer_config={"backend": BACKEND}``.
+BACKEND = "aiosync"
+
+
+def register() -> None:
+    """Register the ``aiosync`` weight-transfer backend with vLLM. Safe to call more than once."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    _shield_llvmlite()
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, "aiosync.engines.vllm_backend",
+                                                    "AiosyncWeightTransferEngine")
+    except ValueError:  # already registered: the plugin ran in this process before
+        pass
+
+
+def _shield_llvmlite() -> None:
+    """Work around a vLLM 0.32 CPU start-up crash in a process that imports numba (aiosync's
+    kernels do): vLLM's CPU worker scans every module for Triton kernels to replace and reads
+    ``vars(value)`` of anything that has a ``__dict__``; llvmlite's ``ffi.lib`` answers every
+    attribute, ``__dict__`` included, with a C-function wrapper, and the scan fails with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. Giving ``lib`` an empty
+    ``__dict__`` entry in its function table (consulted first) makes the scan skip it; llvmlite
+    never looks that name up itself. Done here, in every vLLM process, whether numba is
+    imported before or after the engine starts (importing llvmlite costs ~0.1 s)."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:  # no numba here: nothing to shield
+        return
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
