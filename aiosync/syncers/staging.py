@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..aio import finish_cuda_work
 from ..errors import ApplyError
 from .snapshot import BITS_DTYPES, as_bits
 
@@ -212,6 +213,7 @@ class FullStateWrite:
                     view[entry.index] = entry.new_bits
                 if after_each is not None:
                     after_each(i, len(entries))
+        finish_cuda_work(target[e.key] for e in entries)  # the writes landed before the version commits
         return self.changed
 
 
