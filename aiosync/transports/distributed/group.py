@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ...errors import ConfigError, PeerTimeoutError, TransportError
 from .ops import _Op, is_gloo
 from .transport import DEFAULT_TAG, DistributedTransport
-from .wire import Prefix, decode_message, encode_cached
+from .wire import Prefix, allocate_frame, decode_message, encode_cached
 
 __all__ = ["WeightSyncGroup"]
 
@@ -171,10 +171,7 @@ class WeightSyncGroup:
             header, host, dev = frame.header_tensor(), frame.host, frame.device
         else:  # validated like a point-to-point prefix, before anything is allocated
             announced = Prefix.parse(meta, sender=f"rank {src} (broadcast)", device_body=self.device is not None)
-            header = torch.empty(announced.header_bytes, dtype=torch.uint8)
-            host = torch.empty(announced.host_bytes, dtype=torch.uint8) if announced.host_bytes else None
-            dev = (torch.empty(announced.device_bytes, dtype=torch.uint8, device=self.device)
-                   if announced.device_bytes else None)
+            header, host, dev = allocate_frame(announced, None, self.device, sender=f"rank {src} (broadcast)")
         await bcast(header, self.group, "header")
         if host is not None:
             await bcast(host, self.group, "host body")

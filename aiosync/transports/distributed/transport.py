@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
-from .wire import Prefix, decode_message, encode_cached
+from .wire import MAX_MESSAGE_BYTES, Prefix, allocate_frame, decode_message, encode_cached
 
 __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TAG"]
 
@@ -111,6 +111,9 @@ class DistributedTransport(Transport):
     #: The W4 options ``data_group``'s NCCL communicator was made with (``None``: defaults).
     comm_options: Any = None
     stats: DistributedStats = field(default_factory=DistributedStats)
+    #: The largest message (host + device bodies) this end accepts: a prefix announcing more breaks
+    #: the channel before anything is allocated.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     #: Why the channel is unusable (the peer died, a frame was corrupt), or ``None``.
     broken: BaseException | None = None
     closed: bool = False
@@ -230,18 +233,18 @@ class DistributedTransport(Transport):
         await self._await(inc.prefix_op, deadline, "recv")
         if inc.announced is None:
             try:  # validated before anything is allocated for what it announces
-                announced = Prefix.parse(inc.prefix, sender=f"rank {self.peer}", device_body=self.device is not None)
-            except PayloadError as err:
+                announced = Prefix.parse(inc.prefix, sender=f"rank {self.peer}", device_body=self.device is not None,
+                                         max_bytes=self.max_message_bytes)
+                header_dev = self.device if (self.device is not None and not self._ctrl_threaded) else None
+                inc.header, inc.host, inc.dev = allocate_frame(announced, header_dev, self.device,
+                                                               sender=f"rank {self.peer}")
+            except PayloadError as err:  # the framing can no longer be trusted
                 raise self._fail(err, "recv") from err
             inc.announced = announced
-            header_dev = self.device if (self.device is not None and not self._ctrl_threaded) else None
-            inc.header = torch.empty(announced.header_bytes, dtype=torch.uint8, device=header_dev)
             ops = [self._post(dist.irecv, inc.header, data=False, what="recv (header)")]
-            if announced.host_bytes:
-                inc.host = torch.empty(announced.host_bytes, dtype=torch.uint8)
+            if inc.host is not None:
                 ops.append(self._post(dist.irecv, inc.host, data=False, what="recv (host body)"))
-            if announced.device_bytes:
-                inc.dev = torch.empty(announced.device_bytes, dtype=torch.uint8, device=self.device)
+            if inc.dev is not None:
                 ops.append(self._post(dist.irecv, inc.dev, data=True, what="recv (device body)"))
             inc.body_ops = ops
         for op in inc.body_ops:
