@@ -32,6 +32,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from ...aio import bind_cuda
 from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
@@ -42,6 +43,8 @@ __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TA
 log = logging.getLogger("aiosync.transport")
 
 DEFAULT_TAG = 0x5A5C
+#: (data group, peer) -> set once the first NCCL operation to that peer was posted (its communicator exists)
+_WARM: dict[tuple[int, int], anyio.Event] = {}
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,37 @@ class DistributedTransport(Transport):
         err.__cause__ = exc
         return err
 
-    def _post(self, fn, tensor: torch.Tensor, *, data: bool, what: str) -> _Op:
+    async def _post_data(self, fn, tensor: torch.Tensor, deadline: float | None, what: str) -> _Op:
+        """Post a data-group operation. Over NCCL the first one to a peer builds that pair's
+        communicator, which blocks until the peer posts its side: it is posted from a worker
+        thread (the event loop never waits on it), and later posts wait for it, bounded by the
+        call's deadline, before posting on the loop. A peer that does not join within the bound
+        breaks the channel (part of a frame is posted, part is not)."""
+        if self._data_threaded:
+            return self._post(fn, tensor, data=True, what=what)
+        key = (id(self.data_group), self.peer)
+        warm = _WARM.get(key)
+        if warm is None:
+            warm = _WARM[key] = anyio.Event()
+            with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                try:
+                    op = await anyio.to_thread.run_sync(bind_cuda(self._post), fn, tensor, True, what,
+                                                        abandon_on_cancel=True)
+                except TimeoutError:  # the post may still complete in its thread: the framing is lost
+                    raise self._fail(PeerTimeoutError(f"the peer did not join the NCCL communicator within "
+                                                      f"{self.timeout}s"), what) from None
+            warm.set()
+            return op
+        if not warm.is_set():
+            try:
+                with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                    await warm.wait()
+            except TimeoutError:  # the frame's other parts are posted, this one not: the framing is lost
+                raise self._fail(PeerTimeoutError("its NCCL communicator is still being made (the peer has not "
+                                                  "joined)"), what) from None
+        return self._post(fn, tensor, data=True, what=what)
+
+    def _post(self, fn, tensor: torch.Tensor, data: bool = False, what: str = "") -> _Op:
         group = self.data_group if data else self.group
         try:
             work = fn(tensor, self.peer, group=group, tag=self.tag)
@@ -215,7 +248,7 @@ class DistributedTransport(Transport):
             if frame.host is not None:
                 ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
             if frame.device is not None:
-                ops.append(self._post(dist.isend, frame.device, data=True, what="send (device body)"))
+                ops.append(await self._post_data(dist.isend, frame.device, deadline, "send (device body)"))
             for op in ops:
                 await self._await(op, deadline, op.what)
         self.stats.messages_sent += 1
@@ -244,9 +277,9 @@ class DistributedTransport(Transport):
             ops = [self._post(dist.irecv, inc.header, data=False, what="recv (header)")]
             if inc.host is not None:
                 ops.append(self._post(dist.irecv, inc.host, data=False, what="recv (host body)"))
-            if inc.dev is not None:
-                ops.append(self._post(dist.irecv, inc.dev, data=True, what="recv (device body)"))
             inc.body_ops = ops
+            if inc.dev is not None:
+                ops.append(await self._post_data(dist.irecv, inc.dev, deadline, "recv (device body)"))
         for op in inc.body_ops:
             await self._await(op, deadline, op.what)
         self._incoming = None
