@@ -155,7 +155,7 @@ def finish_cuda_work(tensors: Iterable[Any]) -> None:
     cuda = _cuda()
     if cuda is None:
         return
-    devices = {t.device for t in tensors if getattr(t, "is_cuda", False)}
+    devices = _cuda_devices(tensors)
     events = []
     for device in devices:
         event = cuda.Event()
@@ -163,6 +163,10 @@ def finish_cuda_work(tensors: Iterable[Any]) -> None:
         events.append(event)
     for event in events:
         event.synchronize()
+
+
+def _cuda_devices(tensors: Iterable[Any]) -> set:
+    return {t.device for t in tensors if getattr(t, "is_cuda", False)}
 
 
 async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
