@@ -69,11 +69,13 @@ def recv_from(items):
     return recv
 
 
-def prepared_patch(encoding: str, compression: str, big: int = 0):
-    """A receiver at version 1, its model, the genuine patch to version 2 and the model it gives."""
+def prepared_patch(encoding: str, compression: str, big: int = 0, checksums: bool = False):
+    """A receiver at version 1, its model, the genuine patch to version 2 and the model it gives
+    (``checksums``: patches carry them and the receiver requires them)."""
 
     async def run():
-        kw = dict(encoding=encoding, compression=compression, init_sync_enabled=True, recv_timeout=5)
+        kw = dict(encoding=encoding, compression=compression, init_sync_enabled=True, recv_timeout=5,
+                  verify_checksums=checksums)
         s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
         a, b = inproc_pair(timeout=5)
         dst = receiver_model(0, big)
@@ -225,7 +227,7 @@ def memory(mode: str) -> dict:
 # ------------------------------------------------------------------ mutation fuzzing
 
 def mutate_bytes(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    raw = bytearray(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    raw = bytearray(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     how = rng.choice(["flip", "set", "truncate", "extend", "zero"])
     if how == "truncate" and raw:
         raw = raw[:rng.randrange(len(raw))]
@@ -283,7 +285,9 @@ def mutate_patch(patch, rng: random.Random):
 
 def fuzz_patches(n: int, seed: int) -> dict:
     rng = random.Random(seed)
-    prepared = {fmt: prepared_patch(*fmt) for fmt in PATCH_FORMATS}
+    # with checksums an accepted payload must give exactly the genuine weights (a coo patch carries
+    # new values: without them, a changed value byte would be written as sent, by design)
+    prepared = {fmt: prepared_patch(*fmt, checksums=True) for fmt in PATCH_FORMATS}
     counts = {"refused": 0, "accepted": 0, "bad": []}
     for i in range(n):
         fmt = PATCH_FORMATS[i % len(PATCH_FORMATS)]
@@ -479,8 +483,11 @@ def main(argv: list[str]) -> int:
     if argv[0] == "memory":
         print(json.dumps(memory(argv[1])))
     elif argv[0] == "fuzz":
-        result = FUZZ[argv[1]](int(argv[2]), int(argv[3]))
-        result["boundscheck"] = os.environ.get("NUMBA_BOUNDSCHECK") == "1"
+        targets = list(FUZZ) if argv[1] == "all" else argv[1].split(",")
+        result = {t: FUZZ[t](int(argv[2]), int(argv[3])) for t in targets}
+        import numba
+
+        result["boundscheck"] = numba.config.BOUNDSCHECK == 1  # every kernel compiled with bounds checks
         print(json.dumps(result))
     else:
         raise SystemExit(f"unknown mode {argv[0]!r}")
