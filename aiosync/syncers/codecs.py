@@ -268,7 +268,7 @@ def decompress_patch(cp: CompressedWeightPatch, layouts) -> WeightPatch:
     :class:`~aiosync.syncers.patch_format.TensorLayout` (or just its element width in bytes):
     every stream's declared size is checked against what the patch's counts need before
     anything is decompressed (see :func:`~aiosync.syncers.patch_format.stream_bounds`)."""
-    from .patch_format import stream_bounds
+    from .patch_bounds import stream_bounds
 
     if not isinstance(cp.blobs, dict) or not isinstance(cp.sizes, dict) or not isinstance(cp.dtypes, dict):
         raise PayloadError("compressed patch has malformed stream tables")

@@ -54,7 +54,7 @@ def _ints(values: torch.Tensor) -> list[int]:
 
 def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[int]) -> CtxHeader:
     """Read and check the model header of a ``ctx`` patch (see docs/wire-format.md)."""
-    from .patch_format import stream_bounds
+    from .patch_bounds import stream_bounds
 
     most = stream_bounds("ctx", ords, counts, layouts)["values"][1]
     if isinstance(values, torch.Tensor) and values.numel() > most:

@@ -26,6 +26,7 @@ import torch
 from ..errors import PayloadError
 from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
 from .integrity import drift_hash
+from .patch_bounds import MAX_VARINT_BYTES
 from .payloads import EmptyWeightPatch, WeightPatch
 from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff, _np_bits
 
@@ -370,44 +371,6 @@ def _check_header(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> tuple
     if patch.encoding == "coo" and values.numel() != want_bytes:
         raise PayloadError(f"patch values hold {values.numel()} bytes, expected {want_bytes} (truncated or malformed)")
     return ords, counts
-
-
-#: bytes of one gap varint at most (:func:`~aiosync.syncers.kernels.decode_gaps` refuses a tenth byte)
-MAX_VARINT_BYTES = 9
-
-
-def stream_bounds(encoding: str, ords: list[int], counts: list[int], layouts) -> dict[str, tuple[int, int]]:
-    """The smallest and largest uncompressed byte size of each stream of a patch of ``encoding``
-    whose header (already checked) names ``ords`` with ``counts`` changes, from the receiver's
-    own ``layouts`` (``TensorLayout``, or bare element widths: then the ``ctx`` bounds assume
-    one segment per change). Streams: ``rows`` / ``cols`` per element (the index dtype's width
-    is applied by the caller: ``(lo, hi)`` count elements for ``coo``), ``values`` or
-    ``values.<width>`` in bytes. What a decoder may allocate for a patch follows from these.
-    """
-    width = {o: (lay if isinstance(lay, int) else lay.elem_size) for o, lay in layouts.items()}
-    total = sum(counts)
-    value_bytes = sum(n * width[o] for o, n in zip(ords, counts))
-    if encoding == "coo":
-        out = {"cols": (total, total), "rows": (total, total)}
-        for w in sorted({width[o] for o in ords}):
-            nbytes = sum(n * w for o, n in zip(ords, counts) if width[o] == w)
-            out[f"values.{w}"] = (nbytes, nbytes)
-        out["values"] = (value_bytes, value_bytes)
-        return out
-    packed = (total + 1) // 2
-    if encoding == "flat":
-        return {"cols": (total, MAX_VARINT_BYTES * total), "values": (packed, packed + value_bytes)}
-    if encoding == "ctx":
-        from .patch_ctx import N_CONTEXTS
-        from .patch_ctx_decode import n_segments
-        from .rans import NSYM
-
-        segs = sum(n_segments(layouts[o].numel) if not isinstance(layouts[o], int) else max(1, n)
-                   for o, n in zip(ords, counts))
-        busy = min(segs, total)  # segments with a change: two rANS streams each, 8 + 20 (n + 4) bytes at most
-        header_ints = 1 + N_CONTEXTS * (2 + NSYM) + 4 * len(ords) + 5 * segs
-        return {"cols": (0, 40 * total + 176 * busy), "values": (1, MAX_VARINT_BYTES * header_ints)}
-    raise PayloadError(f"unknown patch encoding {encoding!r}")
 
 
 def decode_patch(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> list[DecodedTensor]:
