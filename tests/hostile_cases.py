@@ -109,6 +109,31 @@ def genuine_buckets(checksums: bool = True) -> list:
     return anyio.run(run)
 
 
+def genuine_handshake():
+    """The messages of one genuine patch handshake with a bootstrap: metadata, answer, buckets."""
+
+    async def run():
+        kw = dict(encoding="flat", init_sync_enabled=True, init_sync_bucket_size=400, recv_timeout=5)
+        s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
+        a, b = inproc_pair(timeout=5)
+        to_sender, to_receiver = [], []
+
+        async def send_a(p):
+            to_receiver.append(p)
+            await a.send(p)
+
+        async def send_b(p):
+            to_sender.append(p)
+            await b.send(p)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.init_sender, state(1), None, send_a, a.recv)
+            await r.init_receiver(receiver_model(), b.recv, send_b)
+        return to_sender, to_receiver
+
+    return anyio.run(run)
+
+
 # ------------------------------------------------------------------ decompression bombs
 
 def zstd_zeros(nbytes: int, content_size: bool) -> torch.Tensor:
@@ -385,22 +410,7 @@ def fuzz_handshakes(n: int, seed: int) -> dict:
     from aiosync.syncers.payloads import ReceiverMetadata, SenderHello
 
     rng = random.Random(seed)
-    sent_meta = []
-
-    async def grab():
-        s, r = PatchWeightSyncer(init_sync_enabled=True, recv_timeout=5), PatchWeightSyncer(recv_timeout=5)
-        a, b = inproc_pair(timeout=5)
-
-        async def send_b(p):
-            sent_meta.append(p)
-            await b.send(p)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(s.init_sender, state(1), None, a.send, a.recv)
-            await r.init_receiver(receiver_model(), b.recv, send_b)
-
-    anyio.run(grab)
-    meta = sent_meta[0]
+    meta = genuine_handshake()[0][0]
     odd = [2**70, -1, 2**63, torch.tensor(3), torch.tensor([1, 2]), "7", None, 1.5, [1], True]
     counts = {"refused": 0, "accepted": 0, "bad": []}
     for _ in range(n):

@@ -222,7 +222,7 @@ async def test_one_malformed_packet_is_refused_reported_and_repaired_and_the_loo
 
 @pytest.mark.parametrize("session", [2**70, -1, torch.tensor(3), torch.tensor([1, 2]), "5", 2.0])
 def test_a_metadata_session_of_the_wrong_type_or_range_is_refused_before_ok(session):
-    (meta,) = [m for m in hc_metadata()]
+    meta = hc.genuine_handshake()[0][0]
     bad = dataclasses.replace(meta, session=session)
     sent = []
 
@@ -235,27 +235,6 @@ def test_a_metadata_session_of_the_wrong_type_or_range_is_refused_before_ok(sess
     assert len(sent) == 1 and isinstance(sent[0], SenderHello) and sent[0].ok is False
 
 
-def hc_metadata():
-    sent = []
-
-    async def run():
-        s, r = PatchWeightSyncer(init_sync_enabled=True, recv_timeout=5), PatchWeightSyncer(recv_timeout=5)
-        from aiosync.transports.inproc import inproc_pair
-
-        a, b = inproc_pair(timeout=5)
-
-        async def send_b(p):
-            sent.append(p)
-            await b.send(p)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(s.init_sender, hc.state(1), None, a.send, a.recv)
-            await r.init_receiver(hc.receiver_model(), b.recv, send_b)
-
-    anyio.run(run)
-    return sent[:1]
-
-
 @pytest.mark.parametrize("session", [torch.tensor([1, 2]), 2**70, "x"])
 def test_a_sender_answer_with_a_session_of_the_wrong_type_is_a_handshake_error(session):
     from aiosync.syncers.patch_handshake import check_hello
@@ -266,7 +245,9 @@ def test_a_sender_answer_with_a_session_of_the_wrong_type_is_a_handshake_error(s
 
 # ------------------------------------------------------------------ item 10: checkpoint files
 
-def test_a_file_swapped_for_a_link_after_the_scan_is_refused_never_followed(tmp_path, monkeypatch):
+def swapped_after_scan(tmp_path, monkeypatch, swap):
+    """A checkpoint directory whose version-1 file is replaced by ``swap(path)`` between the
+    directory scan and the open (a concurrent writer, or an attacker)."""
     from aiosync.checkpoints import CheckpointDir
 
     d = CheckpointDir(tmp_path)
@@ -276,28 +257,21 @@ def test_a_file_swapped_for_a_link_after_the_scan_is_refused_never_followed(tmp_
     def racing_scan(self):
         found = scan(self)
         path.unlink()
-        path.symlink_to("/proc/self/mem")  # replaced between discovery and open
+        swap(path)
         return found
 
     monkeypatch.setattr(CheckpointDir, "_scan", racing_scan)
+    return d
+
+
+def test_a_file_swapped_for_a_link_after_the_scan_is_refused_never_followed(tmp_path, monkeypatch):
+    d = swapped_after_scan(tmp_path, monkeypatch, lambda path: path.symlink_to("/proc/self/mem"))
     with pytest.raises(PayloadError, match="symbolic link"):
         d.load(1)
 
 
 def test_a_checkpoint_that_is_no_regular_file_is_a_payload_error(tmp_path, monkeypatch):
-    from aiosync.checkpoints import CheckpointDir
-
-    d = CheckpointDir(tmp_path)
-    path = d.publish(hc.state(1), 1)
-    scan = CheckpointDir._scan
-
-    def racing_scan(self):
-        found = scan(self)
-        path.unlink()
-        path.mkdir()  # a directory under the scanned name: reading it raises IsADirectoryError
-        return found
-
-    monkeypatch.setattr(CheckpointDir, "_scan", racing_scan)
+    d = swapped_after_scan(tmp_path, monkeypatch, lambda path: path.mkdir())  # reading it: IsADirectoryError
     with pytest.raises(PayloadError, match="not a regular file"):
         d.load(1)
 
