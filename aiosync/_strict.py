@@ -60,3 +60,14 @@ def from_mapping(cls: type[T], data: Any, path: str, *, hints: Mapping[str, str]
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A bound on a wait: a positive, finite number of seconds (``inf``, NaN and ``None`` are refused:
+    nothing in aiosync waits forever). Returns it; :class:`ConfigError` naming ``name`` otherwise."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r} (every wait has a "
+                          "bound; there is no 'wait forever': use a large finite number)")
+    return value

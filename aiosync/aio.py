@@ -1,10 +1,23 @@
-"""Small asyncio helpers: awaitable CUDA events (S11) and off-loop execution (S13)."""
+"""Small asyncio helpers: awaitable CUDA events (S11), off-loop execution (S13), and the CUDA
+context (device and streams) that work carried into a worker thread runs under.
+
+CUDA's current device and current stream are per thread: a worker thread starts on device 0
+and its default stream, whatever the caller had. :func:`run_sync` therefore captures the
+caller's current device and each device's current stream (:class:`CudaContext`) and runs the
+work under them, so a rank on ``cuda:k`` stays on ``cuda:k`` and a trainer or engine on a side
+stream is read and written in its own stream order. :func:`resolve_device` turns a bare
+``"cuda"`` into the caller's device on the caller's side; :func:`finish_cuda_work` waits, in the
+worker, until the GPU work queued for a set of tensors is done (before a version commits).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import time
-from typing import Any, Callable, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -58,11 +71,110 @@ class AwaitableEvent:
         return bool(self.event.query())
 
 
+def _cuda():
+    """``torch.cuda`` once CUDA is initialised in this process, else ``None`` (never initialises
+    it, never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda
+
+
+@dataclass(frozen=True)
+class CudaContext:
+    """A thread's CUDA state: its current device and the current stream of every device.
+
+    :meth:`capture` on the caller's thread, :meth:`enter` in the worker. Empty (and free) when
+    CUDA was never initialised in this process."""
+
+    device: int | None = None
+    streams: tuple = ()
+
+    @classmethod
+    def capture(cls) -> "CudaContext":
+        cuda = _cuda()
+        if cuda is None:
+            return _NO_CUDA
+        device = cuda.current_device()
+        streams = [cuda.current_stream(device)]
+        for i in range(cuda.device_count()):  # other devices only where a side stream is current
+            if i != device and cuda.current_stream(i).stream_id != 0:  # (entering a device opens its context)
+                streams.append(cuda.current_stream(i))
+        return cls(device, tuple(streams))
+
+    @contextlib.contextmanager
+    def enter(self):
+        if self.device is None:
+            yield
+            return
+        cuda = sys.modules["torch"].cuda
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(cuda.device(self.device))
+            for stream in self.streams:
+                stack.enter_context(cuda.stream(stream))
+            yield
+
+
+_NO_CUDA = CudaContext()
+
+
+def bind_cuda(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` bound to the calling thread's :class:`CudaContext`: wherever it is called (a pool's
+    worker thread), it runs on the caller's device and streams."""
+    ctx = CudaContext.capture()
+    if ctx.device is None:
+        return fn
+
+    @functools.wraps(fn)
+    def bound(*args: Any, **kwargs: Any) -> T:
+        with ctx.enter():
+            return fn(*args, **kwargs)
+
+    return bound
+
+
+def resolve_device(device: Any) -> Any:
+    """``device`` as a ``torch.device`` with an index: a bare ``"cuda"`` becomes the *caller's*
+    current CUDA device (call this on the caller's side: in a worker thread it would be device 0).
+    ``None`` stays ``None``."""
+    if device is None:
+        return None
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def finish_cuda_work(tensors: Iterable[Any]) -> None:
+    """Block (a worker thread) until the GPU work queued so far on the current stream of every
+    CUDA device holding one of ``tensors`` has completed: an event recorded after the writes,
+    then waited for. A version is committed only after this, so no reader — on any stream, or
+    the host — can see it before its writes landed."""
+    cuda = _cuda()
+    if cuda is None:
+        return
+    devices = _cuda_devices(tensors)
+    events = []
+    for device in devices:
+        event = cuda.Event()
+        event.record(cuda.current_stream(device))
+        events.append(event)
+    for event in events:
+        event.synchronize()
+
+
+def _cuda_devices(tensors: Iterable[Any]) -> set:
+    return {t.device for t in tensors if getattr(t, "is_cuda", False)}
+
+
 async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` in a worker thread and await its result.
 
     Heavy tensor work goes through here so that it never runs on the event-loop thread.
     The call is not abandoned on cancellation: a cancelled caller still waits for the
     thread, so state it mutates is never left half-written behind the caller's back.
+    The work runs under the caller's CUDA device and current streams (:class:`CudaContext`).
     """
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+    return await anyio.to_thread.run_sync(bind_cuda(functools.partial(fn, *args, **kwargs)))

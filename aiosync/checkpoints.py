@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .dtypes import dtype_name
 from .errors import HandshakeError, PayloadError, VersionError
@@ -335,10 +336,16 @@ class CheckpointDir:
         files = []
         for rank, path in enumerate(entry.paths):
             try:
-                meta = self.metadata(path)
-                tensors = load_file(str(path))
-            except OSError:
+                with _regular_file(path) as name:  # the file scanned, never what a link swapped in points to
+                    with safe_open(name, framework="pt") as fh:
+                        meta = dict(fh.metadata() or {})
+                        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            except (FileNotFoundError, PayloadError):
                 raise
+            except OSError as exc:
+                if exc.errno == errno.ESTALE:
+                    raise
+                raise PayloadError(f"cannot read checkpoint {path}: {exc}") from exc
             except Exception as exc:  # safetensors raises its own error types for bad files
                 raise PayloadError(f"cannot read checkpoint {path}: {exc}") from exc
             if meta.get("version") != str(entry.version) or meta.get("kind", entry.kind) != entry.kind:
@@ -357,6 +364,27 @@ class CheckpointDir:
                 raise PayloadError(f"checkpoint {path.name}: its slice table does not match its tensors")
             files.append((path.name, tensors, slices))
         return _assemble(files)
+
+@contextlib.contextmanager
+def _regular_file(path: Path):
+    """Open ``path`` without following a symbolic link and make sure it is a regular file, then
+    yield a name that reads exactly the opened file (``/proc/self/fd/N`` where the platform has
+    it), so a link or a special file swapped in after the directory was scanned is never read."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symbolic link
+            raise PayloadError(f"checkpoint {path} is a symbolic link; refusing to follow it") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PayloadError(f"checkpoint {path} is not a regular file; refusing it")
+        by_fd = f"/proc/self/fd/{fd}"
+        yield by_fd if os.path.exists(by_fd) else str(path)
+    finally:
+        os.close(fd)
+
 
 def check_tensors_fit(target: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str) -> None:
     """Check that ``tensors`` can be written into ``target`` before anything is written.

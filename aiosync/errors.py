@@ -24,6 +24,20 @@ class PayloadError(AiosyncError, ValueError):
     """A received payload is malformed, truncated or of the wrong kind."""
 
 
+class MessageError(PayloadError):
+    """A received message could not be rebuilt, but its framing was intact: the channel goes on
+    and only this message is refused. ``message_type`` is the class its header names (``None``:
+    unknown); ``version`` and ``conv`` are its integer fields of those names, when it had them,
+    so the receiver can answer for it."""
+
+    def __init__(self, message: str, *, message_type: str | None = None, version: int | None = None,
+                 conv: int | None = None):
+        super().__init__(message)
+        self.message_type = message_type
+        self.version = version
+        self.conv = conv
+
+
 class PatchChainError(PayloadError):
     """A patch was built on a base version the receiver does not hold."""
 

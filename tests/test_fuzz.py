@@ -24,11 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer
-from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import AiosyncError, PeerTimeoutError
 from aiosync.syncers.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
                                       WeightPatch)
+import hostile_cases as hc
 from helpers import bits
+from hostile_cases import receiver_model, recv_from, state
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                 derandomize=True)
@@ -40,33 +41,6 @@ DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def state(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    base = {"w": torch.randn(12, 20, generator=g), "b": torch.randn(20, generator=g),
-            "c": torch.randn(3, 4, 5, generator=g), "s": torch.randn((), generator=g)}
-    out = {k: t + 0.5 * v * (torch.arange(t.numel()).reshape(t.shape) % 3 == v % 3) for k, t in base.items()}
-    out["n"] = torch.tensor([v, 2 * v, -v], dtype=torch.int64)
-    out["m"] = torch.tensor([v % 2 == 0, True, v % 3 == 0])
-    return out
-
-
-def receiver_model(v: int = 0) -> dict[str, torch.Tensor]:
-    """The explorer's copy of ``state(v)``: bf16 weights, the rest as sent."""
-    return {k: (t.to(torch.bfloat16) if k == "w" else t.clone()) for k, t in state(v).items()}
-
-
-def recv_from(items):
-    it = iter(items)
-
-    async def recv():
-        try:
-            return next(it)
-        except StopIteration:
-            raise PeerTimeoutError("nothing more arrives") from None
-
-    return recv
 
 
 def rand_tensor(draw) -> torch.Tensor:
@@ -161,26 +135,7 @@ def mutate_dataclass(draw, obj, n_max=3):
 def prepared_patch(encoding: str, compression: str):
     """A receiver at version 1 (checksums required), its model, the genuine patch to 2 and the
     model it produces."""
-
-    async def run():
-        kw = dict(encoding=encoding, compression=compression, verify_checksums=True, init_sync_enabled=True,
-                  recv_timeout=5)
-        s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
-        a, b = inproc_pair(timeout=5)
-        dst = receiver_model()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(s.init_sender, state(0), None, a.send, a.recv)
-            await r.init_receiver(dst, b.recv, b.send)
-        await s.sync(state(1), a.send, 1)
-        await r.apply(dst, b.recv)
-        await s.sync(state(2), a.send, 2)
-        patch = await b.recv()
-        after = {k: v.clone() for k, v in dst.items()}
-        await r.apply_payload(after, patch)
-        r.version = 1
-        return r, dst, patch, after
-
-    return anyio.run(run)
+    return hc.prepared_patch(encoding, compression, checksums=True)
 
 
 def check_patch(encoding, compression, payload):
@@ -265,18 +220,7 @@ def test_the_genuine_patches_still_apply():
 
 @functools.lru_cache(maxsize=None)
 def genuine_buckets(checksums: bool):
-    async def run():
-        s = BucketWeightSyncer(bucket_size=300, verify_checksums=checksums)
-        await s.init_sender(state(1), None, None)
-        sent = []
-
-        async def collect(p):
-            sent.append(p)
-
-        await s.sync(state(1), collect, 1)
-        return sent
-
-    sent = anyio.run(run)
+    sent = hc.genuine_buckets(checksums)
     assert len(sent) >= 3
     return sent
 
@@ -344,28 +288,7 @@ def test_mutated_buckets_raise_library_errors_and_never_load_garbage(checksums, 
 
 @functools.lru_cache(maxsize=None)
 def genuine_handshake():
-    """The messages of one genuine patch handshake with a bootstrap: metadata, answer, buckets."""
-
-    async def run():
-        kw = dict(encoding="flat", init_sync_enabled=True, init_sync_bucket_size=400, recv_timeout=5)
-        s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
-        a, b = inproc_pair(timeout=5)
-        to_sender, to_receiver = [], []
-
-        async def send_a(p):
-            to_receiver.append(p)
-            await a.send(p)
-
-        async def send_b(p):
-            to_sender.append(p)
-            await b.send(p)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(s.init_sender, state(1), None, send_a, a.recv)
-            await r.init_receiver(receiver_model(), b.recv, send_b)
-        return to_sender, to_receiver
-
-    return anyio.run(run)
+    return hc.genuine_handshake()
 
 
 @settings(max_examples=100, **SETTINGS)

@@ -230,3 +230,165 @@ async def test_bucket_cuda_device(bucket_dtype):
     for k, v in src.state_dict().items():
         want = v.to(getattr(torch, bucket_dtype)) if (bucket_dtype and v.is_floating_point()) else v
         assert torch.equal(bits(want.to(dst.state_dict()[k].dtype)), bits(dst.state_dict()[k])), k
+
+
+# ------------------------------------------------------------------ issue 18: device and stream
+
+def need_gpus(n: int):
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA devices, found {torch.cuda.device_count()}")
+
+
+async def test_a_rank_on_cuda_1_never_touches_cuda_0():
+    """Item 1: with the rank's device set to cuda:1, a bare ``cuda`` snapshot and transport device
+    mean cuda:1 in every worker thread: nothing is allocated on cuda:0."""
+    need_gpus(2)
+    torch.cuda.set_device(1)
+    try:
+        before = torch.cuda.memory_allocated(0)
+        kw = dict(snapshot_device="cuda", transport_device="cuda", encoding="flat", compression="none")
+        s, r, sent = await run_patch_round_trip(kw, dict(encoding="flat"), "cuda:1", "cuda:1")
+        assert s.snapshot.device == torch.device("cuda", 1)
+        assert all(p.values.device == torch.device("cuda", 1) for p in sent if isinstance(p, WeightPatch))
+        assert torch.cuda.memory_allocated(0) == before
+    finally:
+        torch.cuda.set_device(0)
+
+
+async def test_a_trainer_writing_on_a_side_stream_is_read_after_its_writes():
+    """Item 2, sender: the trainer updates its weights on a side stream and syncs without a host
+    sync; the build runs on that stream (carried into the worker), so it sees the update."""
+    src = Net().to(DEV)
+    dst = copy.deepcopy(src).to(dtype=torch.bfloat16)
+    names = collect_param_names_need_sync(src)
+    s, r = PatchWeightSyncer(snapshot_device=DEV, encoding="flat"), PatchWeightSyncer(encoding="flat")
+    a, b = inproc_pair(timeout=60)
+    await asyncio.gather(s.init_sender(src.state_dict(), names, a.send, a.recv),
+                         r.init_receiver(dst.state_dict(), b.recv, b.send))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the update is queued behind ~0.1 s of GPU work
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(1.0)
+        await s.sync(src.state_dict(), a.send, 1)
+    assert await r.apply(dst, b.recv) == 1
+    assert_bit_exact(src.state_dict(), dst.state_dict(), names)
+
+
+async def test_a_gpu_apply_commits_only_after_its_writes_completed():
+    """Item 2, receiver: the writes are queued on the explorer's stream behind long GPU work; once
+    ``apply`` returns the version, a reader on another stream sees the new weights without syncing."""
+    src = Net()
+    dst = copy.deepcopy(src).to(DEV)
+    names = collect_param_names_need_sync(src)
+    s, r = PatchWeightSyncer(encoding="flat"), PatchWeightSyncer(encoding="flat")
+    a, b = inproc_pair(timeout=60)
+    await asyncio.gather(s.init_sender(src.state_dict(), names, a.send, a.recv),
+                         r.init_receiver(dst.state_dict(), b.recv, b.send))
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.0)
+    await s.sync(src.state_dict(), a.send, 1)
+    # after the first tensor's write, ~0.1 s of GPU work: the later writes queue behind it
+    r.after_each_write = lambda i, n: torch.cuda._sleep(200_000_000) if i == 0 else None
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        assert await r.apply(dst, b.recv) == 1
+    reader = torch.cuda.Stream()
+    with torch.cuda.stream(reader):  # no wait on `busy`: only a completed write is visible here
+        seen = {k: v.to("cpu", non_blocking=False) for k, v in dst.state_dict().items()}
+    assert_bit_exact(src.state_dict(), seen, names)
+
+
+async def test_a_cuda_build_of_many_tensors_syncs_with_the_host_a_bounded_number_of_times():
+    """Item 5: host synchronisations of one build, counted by torch's sync debug mode, do not
+    grow with the number of tensors (groups, not tensors)."""
+    import warnings
+
+    src = {f"t{i}": torch.randn(1000 + i, device=DEV) for i in range(200)}
+    s = PatchWeightSyncer(snapshot_device=DEV, transport_device=DEV, encoding="coo", compression="none",
+                          init_sync_enabled=False)
+    r = PatchWeightSyncer(encoding="coo", compression="none", init_sync_enabled=False)
+    dst = {k: v.clone() for k, v in src.items()}
+    a, b = inproc_pair(timeout=60)
+    await asyncio.gather(s.init_sender(src, None, a.send, a.recv), r.init_receiver(dst, b.recv, b.send))
+    for t in src.values():
+        t[::5] += 1.0
+    snap = s.snapshot
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            snap.diff(list(src.values()), DEV)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 8, f"{len(syncs)} host syncs for 200 tensors"
+
+
+def test_the_cuda_snapshot_reuses_one_copy_stream_and_pins_exactly_its_size():
+    """Item 4: a CPU snapshot of CUDA tensors is one registered block of its own size, and every
+    build prefetches on the same copy stream."""
+    tensors = [torch.randn(1000 + 3 * i, device=DEV) for i in range(10)]
+    snap = Snapshot("cpu")
+    snap.load(tensors, [torch.bfloat16] * len(tensors))
+    assert snap._pinned is not None and snap._pinned.registered and snap.tensor(0).is_pinned()
+    assert snap._pinned.buffer.numel() <= sum(t.numel() * 2 + 64 for t in tensors)
+    for step in range(3):
+        for t in tensors:
+            t[step::11] += 1.0
+        snap.diff(tensors, "cpu")
+        snap.staged_event.synchronize()
+    assert len(snap._copy_streams) == 1
+    snap.close()
+
+
+def test_the_nccl_loop_is_not_frozen_by_the_first_transfer(tmp_path):
+    """Item 3: two ranks over NCCL; the receiving rank posts its first receive a second late. The
+    sender's event loop keeps running meanwhile (its largest tick gap stays small), and both
+    ranks finish the transfer."""
+    need_gpus(2)
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "nccl_first_send.py"
+    script.write_text(_NCCL_FIRST_SEND)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611", "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    gap = float(outs[0][0].strip().splitlines()[-1])
+    assert gap < 0.5, f"the sender's loop stalled {gap:.2f}s during its first NCCL send"
+
+
+_NCCL_FIRST_SEND = '''
+import time, anyio, torch
+from aiosync.transports.distributed import WeightSyncGroup
+
+async def main():
+    group = WeightSyncGroup.init(backend="nccl", timeout=60)
+    t = group.transport(1 - group.rank)
+    if group.rank == 0:
+        gaps, last, done = [0.0], time.monotonic(), anyio.Event()
+        async def tick():
+            nonlocal last
+            while not done.is_set():
+                await anyio.sleep(0.01)
+                now = time.monotonic(); gaps.append(now - last - 0.01); last = now
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            await t.send({"w": torch.ones(1 << 20, device=group.device)})
+            done.set()
+        print(max(gaps))
+    else:
+        time.sleep(1.0)  # joins late: its first receive builds the pair's communicator
+        got = await t.recv()
+        assert torch.equal(got["w"].cpu(), torch.ones(1 << 20))
+    group.destroy()
+
+anyio.run(main)
+'''

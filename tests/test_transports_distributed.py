@@ -254,9 +254,12 @@ def _fake_nccl_world(monkeypatch) -> list[dict]:
     made: list[dict] = []
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None, device_id=None, **kw):
-        made.append({"backend": backend, "pg_options": pg_options, "device_id": device_id,
-                     "NCCL_ALGO": os.environ.get("NCCL_ALGO")})
+        made.append({"backend": backend, "pg_options": pg_options, "device_id": device_id, "timeout": timeout,
+                     "NCCL_ALGO": os.environ.get("NCCL_ALGO"), "warmed": False})
         return f"{backend}-group-{len(made)}"
+
+    def barrier(group=None, device_ids=None, **kw):  # the warm-up at init (issue 18)
+        made[int(group.rsplit("-", 1)[1]) - 1]["warmed"] = device_ids
 
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -267,6 +270,7 @@ def _fake_nccl_world(monkeypatch) -> list[dict]:
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: str(group).split("-")[0])
     monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "barrier", barrier)
     monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": _FakeNcclOptions}), raising=False)
     return made
 
@@ -281,6 +285,9 @@ def test_comm_options_reach_the_nccl_communicator_and_no_environment_variable_is
     assert len(nccl) == 1 and nccl[0]["NCCL_ALGO"] == "Ring"  # set while the communicator was made...
     assert "NCCL_ALGO" not in os.environ  # ... and only then: no other communicator sees it
     assert nccl[0]["device_id"] is not None  # made eagerly, so NCCL reads the variable now
+    assert nccl[0]["warmed"] == [0]  # and connected at init, collectively (never at a first send)
+    assert nccl[0]["timeout"].total_seconds() == 1200  # bounded by 2 × timeout, not the control group's day
+    assert [g["timeout"].days for g in made if g["backend"] == "gloo"] == [1]
     assert (nccl[0]["pg_options"].config.max_ctas, nccl[0]["pg_options"].config.min_ctas) == (8, 2)
     assert set(group.comm_report) == {"use_ring_sync", "nccl_max_ctas", "nccl_min_ctas"}
     t = group.transport(1)

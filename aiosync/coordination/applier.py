@@ -26,7 +26,9 @@ from typing import Any
 
 import anyio
 
-from ..errors import AiosyncError, ApplyError, ClosedResourceError, EndOfStream, PayloadError, PeerTimeoutError
+from ..errors import (AiosyncError, ApplyError, ClosedResourceError, EndOfStream, MessageError, PayloadError,
+                      PeerTimeoutError)
+from ..messages import type_name
 from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.state_dicts import module_state_dict
@@ -70,6 +72,7 @@ class Applier:
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
+            ack = None
             if self._next is not None:
                 msg, self._next = self._next, None
             else:
@@ -79,20 +82,35 @@ class Applier:
                     continue  # idle: nothing to apply
                 except (EndOfStream, ClosedResourceError):
                     return
-            if not isinstance(msg, (Reinit, Packet)):
-                log.debug("aiosync: %s skipped a stray %s", self.name, type(msg).__name__)
-                continue
-            self._set_busy(True)
-            try:
-                ack = await (self._reinit(msg) if isinstance(msg, Reinit) else self._packet(msg))
-            finally:
-                self._set_busy(False)
+                except MessageError as exc:  # one malformed delivery: refuse it and go on
+                    ack = self._malformed(exc)
+                    if ack is None:
+                        continue
+            if ack is None:
+                if not isinstance(msg, (Reinit, Packet)):
+                    log.debug("aiosync: %s skipped a stray %s", self.name, type(msg).__name__)
+                    continue
+                self._set_busy(True)
+                try:
+                    ack = await (self._reinit(msg) if isinstance(msg, Reinit) else self._packet(msg))
+                finally:
+                    self._set_busy(False)
             try:
                 await self.transport.send(ack)
             except (EndOfStream, ClosedResourceError):
                 return
             except Exception as exc:  # the line times out and repairs; the apply loop goes on
                 log.warning("aiosync: %s could not acknowledge version %d: %s", self.name, ack.version, exc)
+
+    def _malformed(self, exc: MessageError) -> Ack | None:
+        """The refusal of a delivery message that arrived malformed: an error Ack for the version
+        (and init conversation) it names, so the synchronizer fails that delivery at once and
+        repairs; ``None`` when it names none (its delivery then runs out its bound)."""
+        log.warning("aiosync: %s refused a malformed %s: %s", self.name, exc.message_type or "message", exc)
+        if exc.version is None or exc.message_type not in (type_name(Packet), type_name(Reinit)):
+            return None
+        conv = exc.conv if exc.message_type == type_name(Reinit) else None
+        return Ack(exc.version, self.slot.version, _describe(exc), conv=conv)
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy

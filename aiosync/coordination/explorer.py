@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from .._strict import check_seconds
 from ..errors import (ApplyError, EndOfStream, HandshakeError, PeerTimeoutError, StateTransitionError, TransportError,
                       WouldBlock)
 from ..syncers.factory import SyncerFactory, syncer_factory
@@ -107,8 +108,8 @@ class Explorer:
         self.name = name
         self.slot: PolicySlot = model if isinstance(model, PolicySlot) else PolicySlot(model)
         self.transport = transport
-        self.connect_timeout = connect_timeout
-        self.close_timeout = close_timeout
+        self.connect_timeout = check_seconds("Explorer connect_timeout", connect_timeout)
+        self.close_timeout = None if close_timeout is None else check_seconds("Explorer close_timeout", close_timeout)
         self._weight_syncer = weight_syncer
         self.mux = Mux(transport, timeout=connect_timeout)
         self.state = StatusCell(f"explorer {name}")

@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import torch
 
+from .._strict import check_seconds
 from ..aio import run_sync
 from ..checkpoints import CheckpointDir, check_tensors_fit
 from ..errors import PeerTimeoutError
@@ -39,8 +40,8 @@ class CheckpointFollower:
     def __init__(self, directory: Any, model: Any, *, poll_interval: float = 0.25, timeout: float = 600.0) -> None:
         self.directory = directory if isinstance(directory, CheckpointDir) else CheckpointDir(directory)
         self.slot = model if isinstance(model, PolicySlot) else PolicySlot(model)
-        self.poll_interval = poll_interval
-        self.timeout = timeout
+        self.poll_interval = check_seconds("CheckpointFollower poll_interval", poll_interval)
+        self.timeout = check_seconds("CheckpointFollower timeout", timeout)
         self.loads = 0
 
     @property

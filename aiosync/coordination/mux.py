@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import AiosyncError, ClosedResourceError, EndOfStream, PeerTimeoutError, TransportError
+from ..errors import AiosyncError, ClosedResourceError, EndOfStream, MessageError, PeerTimeoutError, TransportError
+from ..messages import message_type
 from ..transports.base import Transport
 from .protocol import Close, Control
 
@@ -35,12 +36,24 @@ class Lane(Transport):
     async def recv(self) -> Any:
         try:
             with anyio.fail_after(self.timeout):
-                return await self._rx.receive()
+                item = await self._rx.receive()
         except TimeoutError:
             raise PeerTimeoutError(f"nothing arrived from the peer within {self.timeout}s") from None
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             why = f": {self.mux.error}" if self.mux.error is not None else ""
             raise EndOfStream(f"the peer's session ended{why}") from self.mux.error
+        if isinstance(item, _Refused):  # a message of this lane that could not be rebuilt
+            raise item.error
+        return item
+
+
+class _Refused:
+    """In a lane's queue: a message that arrived but could not be rebuilt (its error)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: MessageError) -> None:
+        self.error = error
 
 
 class Mux:
@@ -64,6 +77,8 @@ class Mux:
         self.peer_closed = anyio.Event()
         self.close_sent = False
         self.finished = anyio.Event()
+        #: messages that arrived malformed and were refused (the session went on)
+        self.refused = 0
         self._send_lock = anyio.Lock()
 
     def set_timeout(self, timeout: float | None) -> None:
@@ -93,6 +108,18 @@ class Mux:
             log.debug("aiosync: could not send %s: %s", type(msg).__name__, exc)
             return False
 
+    def _refuse(self, exc: MessageError) -> None:
+        """A message that could not be rebuilt: the data lane's reader answers for it (the delivery
+        it belongs to fails, is reported and repaired); a control message is dropped (the control
+        protocol bounds every wait on one)."""
+        self.refused += 1
+        cls = message_type(exc.message_type) if exc.message_type else None
+        control = isinstance(cls, type) and issubclass(cls, Control)
+        log.warning("aiosync: refused a malformed %s from the peer (%s): %s", exc.message_type or "message",
+                    "dropped" if control else "reported", exc)
+        if not control:
+            self._data_tx.send_nowait(_Refused(exc))
+
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Read the wire until the peer's Close or a failure (``start()``-able)."""
         task_status.started()
@@ -102,6 +129,9 @@ class Mux:
                     msg = await self.wire.recv()
                 except PeerTimeoutError:
                     continue  # idle
+                except MessageError as exc:  # one bad message, the framing intact: refuse it, read on
+                    self._refuse(exc)
+                    continue
                 if isinstance(msg, Control):
                     self._ctl_tx.send_nowait(msg)
                     if isinstance(msg, Close):

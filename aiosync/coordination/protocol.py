@@ -31,18 +31,57 @@ syncers' payloads are rebuilt by a receiving process.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
+from ..errors import PayloadError
 from ..messages import message
 
 #: Version of this protocol; a Hello of another version is refused.
 PROTOCOL = 2
+
+_INT64 = 1 << 63
+#: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
+#: field of the wrong type or out of range is refused as it is parsed, before anyone uses it).
+_KINDS: dict[str, tuple[str, Any]] = {
+    "v": ("a version (an int in [0, 2**63))", lambda x: type(x) is int and 0 <= x < _INT64),
+    "i": ("an int64", lambda x: type(x) is int and -_INT64 <= x < _INT64),
+    "b": ("true or false", lambda x: type(x) is bool),
+    "s": ("a string", lambda x: type(x) is str),
+    "n": ("a non-empty name of at most 256 characters", lambda x: type(x) is str and 0 < len(x) <= 256),
+    "f": ("a finite number >= 0", lambda x: type(x) in (int, float) and math.isfinite(x) and x >= 0),
+    "l": ("a list", lambda x: type(x) is list),
+    "d": ("a mapping", lambda x: type(x) is dict),
+}
+
+
+def _fields(**kinds: str):
+    """Give a message class a ``__post_init__`` that checks each named field's kind (``?``: or None)."""
+
+    def check(self) -> None:
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if value is None and kind.endswith("?"):
+                continue
+            what, ok = _KINDS[kind.rstrip("?")]
+            if not ok(value):
+                raise PayloadError(f"{type(self).__name__}.{name} must be {what}"
+                                   f"{' or null' if kind.endswith('?') else ''}, got {type(value).__name__} "
+                                   f"{str(value)[:40]!r}")
+
+    def wrap(cls):
+        cls.__post_init__ = check
+        return cls
+
+    return wrap
 
 
 # ----------------------------------------------------------------------------- delivery line
 
 @message
 @dataclass(eq=False)
+@_fields(version="v", payloads="l")
 class Packet:
     """All payloads of one sync of ``version``, applied as one unit."""
 
@@ -52,6 +91,7 @@ class Packet:
 
 @message
 @dataclass(eq=False)
+@_fields(version="v", bootstrap="b", conv="i")
 class Reinit:
     """Start of a (re)bootstrap to ``version``: the syncers' init conversation follows, then a
     :class:`Packet`. ``bootstrap``: the init sends the whole state (a repair). ``conv`` numbers
@@ -65,6 +105,7 @@ class Reinit:
 
 @message
 @dataclass(eq=False)
+@_fields(version="v", reason="s", conv="i")
 class Abort:
     """The session gave up the (re)bootstrap of ``version`` it started (conversation ``conv``)."""
 
@@ -75,6 +116,7 @@ class Abort:
 
 @message
 @dataclass(eq=False)
+@_fields(version="v", applied="v?", error="s?", apply_s="f", conv="i?", stage_s="f", write_s="f", lease_wait_s="f")
 class Ack:
     """The explorer's answer to a Packet (``conv`` None) or a Reinit (``conv`` its id).
 
@@ -103,6 +145,7 @@ class Control:
 
 @message
 @dataclass(eq=False)
+@_fields(name="n", version="v?", protocol="i")
 class Hello(Control):
     """Explorer → session: join as ``name``; ``version`` is what its model holds (or None)."""
 
@@ -113,6 +156,7 @@ class Hello(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(config="d", weight_syncer="d?", trainer_version="v?", published="v?", trainer_stopped="b")
 class Welcome(Control):
     """Session → explorer: accepted; the synchronizer's config, the weight syncer config (None:
     a syncer factory, which the explorer must be given itself) and where the trainer is."""
@@ -126,6 +170,7 @@ class Welcome(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(reason="s")
 class Refused(Control):
     """Session → explorer: not accepted (name taken, protocol mismatch, first sync failed)."""
 
@@ -134,6 +179,7 @@ class Refused(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(version="v?")
 class Attached(Control):
     """Session → explorer: the first (blocking) sync was applied; ``version`` is held."""
 
@@ -142,6 +188,7 @@ class Attached(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(id="i")
 class SyncRequest(Control):
     """Explorer → session: ask for the newest weights (``Explorer.sync_weight``)."""
 
@@ -150,6 +197,7 @@ class SyncRequest(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(id="i", outcome="s", version="v?")
 class Served(Control):
     """Session → explorer: request ``id`` was served with ``outcome`` (``delivered``,
     ``up_to_date``, ``timeout``, ``failed``, ``trainer_stopped``, ``closed``); ``version`` is
@@ -162,6 +210,7 @@ class Served(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(event="s", version="v?")
 class Notice(Control):
     """Session → explorer: ``published`` (a new version), ``window_open`` / ``window_closed``
     (an NCCL handshake), ``trainer_stopped``; ``delivering`` / ``settled`` (a delivery to this
@@ -173,6 +222,7 @@ class Notice(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(step="i")
 class Heartbeat(Control):
     """Explorer → session: the explorer's loop showed signs of life (a call into the explorer
     API, or a lease held) since the last heartbeat."""
@@ -182,6 +232,7 @@ class Heartbeat(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(step="i")
 class Stopped(Control):
     """Explorer → session: the explorer stopped (STOPPED); deliveries may still come (drain)."""
 
@@ -190,6 +241,7 @@ class Stopped(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(reason="s")
 class Leave(Control):
     """Explorer → session: detach me now (no final drain)."""
 
@@ -198,6 +250,7 @@ class Leave(Control):
 
 @message
 @dataclass(eq=False)
+@_fields(version="v?", reason="s")
 class Close(Control):
     """Either way: the session ends; the receiver answers with its own Close and stops reading."""
 

@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import run_sync
+from ..aio import finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir, check_tensors_fit
 from ..errors import PeerTimeoutError, VersionError
 
@@ -175,9 +175,13 @@ class Source:
 
 
 def _copy_synced(live: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Copies of the synced tensors, made on the trainer's stream (carried here by ``run_sync``)
+    and complete when this returns: builds on any stream then read the published values."""
     synced = set(names)
     with torch.no_grad():
-        return {k: (t.detach().clone() if k in synced else t) for k, t in live.items()}
+        out = {k: (t.detach().clone() if k in synced else t) for k, t in live.items()}
+    finish_cuda_work(out[k] for k in synced if k in out)
+    return out
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import run_sync
+from ..aio import resolve_device, run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ..messages import RecvFn, SendFn, payload_nbytes
@@ -56,7 +56,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
                                    is_agent=is_agent, load_instant=load_instant, recv_timeout=recv_timeout,
                                    verify_checksums=verify_checksums)
         self._dtype = dtype_from_name(bucket_dtype) if bucket_dtype is not None else None
-        self._device = torch.device(bucket_device) if bucket_device else None
+        self._device = resolve_device(bucket_device) if bucket_device else None  # "cuda": the caller's device
         if self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bucket.bucket_device is cuda but CUDA is not available; use null or cpu")
         self._names: list[str] | None = None

@@ -8,11 +8,14 @@ same way. nvCOMP codecs compress each stream as is on the GPU, as the seed does.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..aio import bind_cuda, resolve_device
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import CodecUnavailableError, PayloadError
 from .payloads import CompressedWeightPatch, WeightPatch
@@ -82,8 +85,15 @@ def _zstd_compress(data: np.ndarray, level: int) -> np.ndarray:
 def _zstd_decompress(blob: torch.Tensor, size: int, name: str) -> np.ndarray:
     import zstandard
 
+    data = _np_u8(blob).tobytes()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(_np_u8(blob).tobytes(), max_output_size=max(size, 1))
+        # A frame that states its content size is decompressed into a buffer of that size,
+        # whatever ``max_output_size`` says: check it against the size the patch allows first.
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, size):
+            raise PayloadError(f"compressed patch stream {name!r} is a zstd frame of {declared} bytes, but the "
+                               f"patch declares {size} (a corrupt or hostile frame); refused before decompressing")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=max(size, 1))
     except zstandard.ZstdError as exc:
         raise PayloadError(f"compressed patch stream {name!r} is corrupt: {exc}") from exc
     if len(raw) != size:
@@ -92,28 +102,43 @@ def _zstd_decompress(blob: torch.Tensor, size: int, name: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- nvCOMP
-def _nvcomp_codec(name: str):
+_CODECS: dict[tuple, Any] = {}  # (algorithm, device, stream, thread) -> nvcomp.Codec
+
+
+def _nvcomp_codec(name: str, device: torch.device):
+    """The nvCOMP codec of ``name`` on ``device`` running on the *current* stream of that device
+    (the caller's, carried into worker threads by :func:`aiosync.aio.run_sync`): built once per
+    (device, stream) and thread, since an nvCOMP codec is thread-local and costly to make."""
     from nvidia import nvcomp
 
-    stream = torch.cuda.current_stream()
-    return nvcomp, nvcomp.Codec(algorithm=NVCOMP_ALGORITHMS[name], cuda_stream=stream.cuda_stream,
-                                device_id=stream.device.index or 0)
+    stream = torch.cuda.current_stream(device)
+    key = (name, device.index, stream.cuda_stream, threading.get_ident())
+    codec = _CODECS.get(key)
+    if codec is None:
+        codec = _CODECS[key] = nvcomp.Codec(algorithm=NVCOMP_ALGORITHMS[name], cuda_stream=stream.cuda_stream,
+                                            device_id=device.index)
+    return nvcomp, codec
+
+
+def _on_gpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on a CUDA device: where it is, or the caller's current device (never a bare ``cuda``,
+    which means device 0 in a worker thread)."""
+    return t if t.is_cuda else t.to(resolve_device("cuda"))
 
 
 def _nvcomp_compress(t: torch.Tensor, name: str) -> torch.Tensor:
-    nvcomp, codec = _nvcomp_codec(name)
-    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    if not data.is_cuda:
-        data = data.cuda()
+    data = _on_gpu(t.detach().reshape(-1).contiguous().view(torch.uint8))
+    nvcomp, codec = _nvcomp_codec(name, data.device)
     enc = codec.encode(nvcomp.as_array(data))
+    # nvCOMP wrote ``enc`` on the current stream of data.device (the codec's): the clone below
+    # is queued on that same stream, so it is ordered after the encode without a host sync
+    # (torch ignores the stream field of the CUDA array interface; the shared stream makes it moot).
     return torch.as_tensor(enc, device=data.device).view(torch.uint8).clone()
 
 
 def _nvcomp_decompress(blob: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    nvcomp, codec = _nvcomp_codec(name)
-    data = blob.reshape(-1).contiguous()
-    if not data.is_cuda:
-        data = data.cuda()
+    data = _on_gpu(blob.reshape(-1).contiguous())
+    nvcomp, codec = _nvcomp_codec(name, data.device)
     try:
         dec = codec.decode(nvcomp.as_array(data))
         out = torch.as_tensor(dec, device=data.device).reshape(-1).view(torch.uint8).clone()
@@ -184,10 +209,70 @@ def compress_patch(patch: WeightPatch, codec: str, elem_sizes: dict[int, int], l
 _INDEX_DTYPES = (torch.uint8, torch.int32, torch.int64)
 
 
-def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> WeightPatch:
-    """Invert :func:`compress_patch`. Corrupt or truncated streams raise :class:`PayloadError`."""
+def _declared_size(cp: CompressedWeightPatch, key: str) -> int:
+    size = cp.sizes.get(key)
+    if type(size) is not int or size < 0:
+        raise PayloadError(f"compressed patch stream {key!r} has an invalid size {size!r}")
+    return size
+
+
+def _stream_plan(cp: CompressedWeightPatch, names: list[str], bounds: dict[str, tuple[int, int]],
+                 nvcomp: bool) -> dict[str, list[str]]:
+    """The blobs (frames) of each stream, every declared size checked against what the patch's
+    own counts allow (``bounds``) before anything is decompressed: a payload can make this
+    receiver allocate only what a genuine patch of its declared changes needs."""
+    plan: dict[str, list[str]] = {}
+    for name in names:
+        lo, hi = bounds[name]
+        if nvcomp:
+            keys = [name] if name in cp.blobs else []
+        else:
+            keys = sorted((k for k in cp.blobs if isinstance(k, str) and k.split("#")[0] == name), key=_frame_index)
+            if [_frame_index(k) for k in keys] != list(range(len(keys))):
+                raise PayloadError(f"compressed patch lacks some frames of stream {name!r}")
+            if len(keys) > _MAX_FRAMES:
+                raise PayloadError(f"compressed patch stream {name!r} has {len(keys)} frames; at most {_MAX_FRAMES}")
+        if not keys:
+            raise PayloadError(f"compressed patch lacks stream {name!r}")
+        total = sum(_declared_size(cp, k) for k in keys)
+        if name in cp.sizes and _declared_size(cp, name) != total:
+            raise PayloadError(f"compressed patch stream {name!r} declares {cp.sizes[name]} bytes, its frames {total}")
+        if not lo <= total <= hi:
+            raise PayloadError(f"compressed patch stream {name!r} declares {total} bytes, but its "
+                               f"{'changes' if lo == hi else 'declared changes'} need "
+                               + (f"exactly {lo}" if lo == hi else f"{lo} to {hi}") + " (a corrupt or hostile header); "
+                               "refused before decompressing")
+        for k in keys:
+            blob = cp.blobs[k]
+            if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+                raise PayloadError(f"compressed patch blob {k!r} must be a uint8 tensor")
+        plan[name] = keys
+    known = {k for keys in plan.values() for k in keys}
+    stray = [k for k in cp.blobs if k not in known]
+    if stray:
+        raise PayloadError(f"compressed patch carries a stream this receiver does not expect: {str(stray[0])[:40]!r}")
+    return plan
+
+
+def _frame_index(key: str) -> int:
+    _, _, idx = key.partition("#")
+    if not (idx.isascii() and idx.isdigit()) or len(idx) > 3:
+        raise PayloadError(f"compressed patch has a malformed frame name {key[:40]!r}")
+    return int(idx)
+
+
+def decompress_patch(cp: CompressedWeightPatch, layouts) -> WeightPatch:
+    """Invert :func:`compress_patch`. Corrupt or truncated streams raise :class:`PayloadError`.
+
+    ``layouts`` maps each ordinal the receiver syncs to its
+    :class:`~aiosync.syncers.patch_format.TensorLayout` (or just its element width in bytes):
+    every stream's declared size is checked against what the patch's counts need before
+    anything is decompressed (see :func:`~aiosync.syncers.patch_format.stream_bounds`)."""
+    from .patch_bounds import stream_bounds
+
     if not isinstance(cp.blobs, dict) or not isinstance(cp.sizes, dict) or not isinstance(cp.dtypes, dict):
         raise PayloadError("compressed patch has malformed stream tables")
+    elem_sizes = {o: (lay if isinstance(lay, int) else lay.elem_size) for o, lay in layouts.items()}
     try:
         ordinals = cp.ordinals.reshape(-1).to(torch.int64).tolist()
         counts = cp.nnz_per_tensor.reshape(-1).to(torch.int64).tolist()
@@ -198,40 +283,42 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
     unknown = [o for o in ordinals if o not in elem_sizes]
     if unknown:
         raise PayloadError(f"compressed patch names tensor ordinal {unknown[0]}, which the receiver does not sync")
+    if len(set(ordinals)) != len(ordinals):
+        raise PayloadError("compressed patch names a tensor ordinal twice")
+    for o, n in zip(ordinals, counts):
+        lay = layouts[o]
+        if not isinstance(lay, int) and n > lay.numel:
+            raise PayloadError(f"compressed patch claims {n} changes in tensor ordinal {o}, which has {lay.numel} "
+                               "elements")
     nvcomp = cp.codec in NVCOMP_ALGORITHMS
     if cp.codec != "zstd" and not nvcomp:
         raise PayloadError(f"unknown patch codec {cp.codec!r}")
+    if cp.encoding not in ("coo", "flat", "ctx"):
+        raise PayloadError(f"unknown patch encoding {cp.encoding!r}")
+    bounds = stream_bounds(cp.encoding, ordinals, counts, layouts)
+    index_names = ["cols"] + (["rows"] if cp.encoding == "coo" else [])
+    for name in index_names:  # element counts → bytes of the declared index dtype
+        dtype = dtype_from_name(cp.dtypes.get(name))
+        if dtype not in _INDEX_DTYPES or (cp.encoding != "coo" and dtype != torch.uint8):
+            raise PayloadError(f"compressed patch stream {name!r} has unknown dtype {cp.dtypes.get(name)!r}")
+        if cp.encoding == "coo":
+            bounds[name] = (bounds[name][0] * dtype.itemsize, bounds[name][1] * dtype.itemsize)
+    if nvcomp or cp.encoding in ("flat", "ctx"):
+        value_names = ["values"]
+    else:
+        value_names = sorted((k for k in bounds if k.startswith("values.")), key=lambda k: int(k.split(".")[1]))
+    plan = _stream_plan(cp, index_names + value_names, bounds, nvcomp)
 
     def stream(name: str):
         if nvcomp:
-            _check_size(name)
-            if name not in cp.blobs:
-                raise PayloadError(f"compressed patch lacks stream {name!r}")
             return _nvcomp_decompress(cp.blobs[name], cp.sizes[name], name)
-        frames = sorted((k for k in cp.blobs if k.split("#")[0] == name), key=_frame_index)
-        if not frames or [_frame_index(k) for k in frames] != list(range(len(frames))):
-            raise PayloadError(f"compressed patch lacks stream {name!r} (or some of its frames)")
-        for k in frames:
-            _check_size(k)
+        frames = plan[name]
         if len(frames) == 1:
             raw = _zstd_decompress(cp.blobs[frames[0]], cp.sizes[frames[0]], frames[0])
         else:
             futs = [_pool().submit(_zstd_decompress, cp.blobs[k], cp.sizes[k], k) for k in frames]
             raw = np.concatenate([f.result() for f in futs])
-        if name in cp.sizes and cp.sizes[name] != raw.size:
-            raise PayloadError(f"compressed patch stream {name!r} holds {raw.size} bytes, expected {cp.sizes[name]}")
         return raw
-
-    def _check_size(name: str) -> None:
-        size = cp.sizes.get(name)
-        if not isinstance(size, int) or size < 0 or size > (1 << 40):
-            raise PayloadError(f"compressed patch stream {name!r} has an invalid size {size!r}")
-
-    def _frame_index(key: str) -> int:
-        _, _, idx = key.partition("#")
-        if not idx.isdigit():
-            raise PayloadError(f"compressed patch has a malformed frame name {key!r}")
-        return int(idx)
 
     def index_stream(name: str) -> torch.Tensor:
         dtype = dtype_from_name(cp.dtypes.get(name))
@@ -245,21 +332,15 @@ def decompress_patch(cp: CompressedWeightPatch, elem_sizes: dict[int, int]) -> W
             return raw.view(dtype)
         return torch.from_numpy(unshuffle_bytes(raw, width).copy()).view(dtype)
 
-    names = ["cols"] + (["rows"] if cp.encoding == "coo" else [])
-    futures = {k: _pool().submit(index_stream, k) for k in names}
+    futures = {k: _pool().submit(bind_cuda(index_stream), k) for k in index_names}
     if nvcomp or cp.encoding in ("flat", "ctx"):
         values = stream("values")
         values = values if isinstance(values, torch.Tensor) else torch.from_numpy(values.copy())
     else:
-        widths: dict[int, int] = {}
-        for o, n in zip(ordinals, counts):
-            widths[elem_sizes[o]] = widths.get(elem_sizes[o], 0) + n * elem_sizes[o]
         groups = {}
-        for w, nbytes in widths.items():
-            raw = stream(f"values.{w}")
-            if raw.size != nbytes:
-                raise PayloadError(f"compressed patch values of width {w} hold {raw.size} bytes, expected {nbytes}")
-            groups[w] = unshuffle_bytes(raw, w)
+        for name in value_names:
+            w = int(name.split(".")[1])
+            groups[w] = unshuffle_bytes(stream(name), w)
         offsets = {w: 0 for w in groups}
         parts = []
         for o, n in zip(ordinals, counts):

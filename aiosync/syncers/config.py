@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._strict import from_mapping
+from .._strict import check_seconds, from_mapping
 from ..errors import ConfigError
 
 SYNCER_TYPES = ("patch", "bucket")
@@ -103,7 +103,7 @@ class PatchConfig:
     compression: str = "zstd"
     encoding: str = "flat"
     compression_level: int = 1
-    recv_timeout: float | None = 600.0
+    recv_timeout: float = 600.0
     verify_checksums: bool = False
     init_sync: InitSyncConfig = field(default_factory=InitSyncConfig)
 
@@ -126,8 +126,7 @@ class PatchConfig:
             )
         if not isinstance(self.compression_level, int) or not -7 <= self.compression_level <= 22:
             raise ConfigError(f"patch.compression_level must be an integer in [-7, 22], got {self.compression_level!r}")
-        if self.recv_timeout is not None and not (isinstance(self.recv_timeout, (int, float)) and self.recv_timeout > 0):
-            raise ConfigError(f"patch.recv_timeout must be null or a positive number of seconds, got {self.recv_timeout!r}")
+        check_seconds("patch.recv_timeout", self.recv_timeout)  # also a peer's Welcome: never inf
 
 
 @dataclass
@@ -139,7 +138,7 @@ class BucketConfig:
     bucket_device: str | None = None
     is_agent: bool = False
     load_instant: bool = True
-    recv_timeout: float | None = 600.0
+    recv_timeout: float = 600.0
     verify_checksums: bool = False
 
     def __post_init__(self) -> None:
@@ -150,8 +149,7 @@ class BucketConfig:
         for name in ("is_agent", "load_instant", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"bucket.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.recv_timeout is not None and not (isinstance(self.recv_timeout, (int, float)) and self.recv_timeout > 0):
-            raise ConfigError(f"bucket.recv_timeout must be null or a positive number of seconds, got {self.recv_timeout!r}")
+        check_seconds("bucket.recv_timeout", self.recv_timeout)  # also a peer's Welcome: never inf
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
 
 N_CLASSES = 4
 N_VCTX = 16
+N_CONTEXTS = 4 * N_CLASSES + 4 * N_VCTX  # gap tables (width, class), value tables (width, value ctx)
 SEGMENT = 1 << 22  # elements per independently coded segment of a tensor (a format constant)
 BINS = 256  # exponent bins of the statistics
 

@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import run_sync, wait_event
+from ..aio import resolve_device, run_sync, wait_event
 from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ..messages import RecvFn, SendFn, payload_nbytes
 from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
@@ -103,7 +103,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_codec_available(compression)  # fail when built, not at the first sync (W12)
         if str(snapshot_device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("patch.snapshot_device is cuda but CUDA is not available; use snapshot_device: cpu")
-        self._transport_device = torch.device(transport_device or "cpu")
+        self._transport_device = resolve_device(transport_device or "cpu")  # "cuda": the caller's device, not 0
         self._builder_kernel = builder_kernel
         # sender state
         self._snapshot: Snapshot | None = None

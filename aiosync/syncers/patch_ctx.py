@@ -28,7 +28,7 @@ from . import kernels_ctx as kc
 from .rans import NSYM, encoder_tables, normalize
 from .snapshot import _np_bits
 
-N_CONTEXTS = 4 * kc.N_CLASSES + 4 * kc.N_VCTX  # gap tables (width, class), value tables (width, value ctx)
+N_CONTEXTS = kc.N_CONTEXTS
 WIDTH_SLOT = {1: 0, 2: 1, 4: 2, 8: 3}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # dtype → (mantissa bits, exponent bias) of its floating-point layout

@@ -54,6 +54,12 @@ def _ints(values: torch.Tensor) -> list[int]:
 
 def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[int]) -> CtxHeader:
     """Read and check the model header of a ``ctx`` patch (see docs/wire-format.md)."""
+    from .patch_bounds import stream_bounds
+
+    most = stream_bounds("ctx", ords, counts, layouts)["values"][1]
+    if isinstance(values, torch.Tensor) and values.numel() > most:
+        raise PayloadError(f"ctx patch model header holds {values.numel()} bytes; a patch of these changes needs at "
+                           f"most {most} (malformed)")
     ints = _ints(values)
     pos = 0
 
@@ -93,7 +99,14 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
     seg_counts, gap_lens = [], []
     for o, n in zip(ords, counts):
         k = n_segments(layouts[o].numel)
-        c = np.array(take(k * (kc.N_CLASSES + 1), "the class counts"), np.int64).reshape(k, kc.N_CLASSES + 1)
+        raw = take(k * (kc.N_CLASSES + 1), "the class counts")
+        numel = layouts[o].numel
+        for s in range(k):  # in Python ints: a sum of int64 counts could wrap around to n
+            seg = raw[s * (kc.N_CLASSES + 1):(s + 1) * (kc.N_CLASSES + 1) - 1]
+            if sum(seg) > min(kc.SEGMENT, numel - s * kc.SEGMENT):
+                raise PayloadError(f"ctx patch class counts of tensor ordinal {o} (segment {s}) claim {sum(seg)} "
+                                   "changes, more than the segment has elements")
+        c = np.array(raw, np.int64).reshape(k, kc.N_CLASSES + 1)
         if int(c[:, :-1].sum()) != n:
             raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c[:, :-1].sum())}, but "
                                f"nnz_per_tensor says {n}")

@@ -26,6 +26,7 @@ import torch
 from ..errors import PayloadError
 from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
 from .integrity import drift_hash
+from .patch_bounds import MAX_VARINT_BYTES
 from .payloads import EmptyWeightPatch, WeightPatch
 from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff, _np_bits
 
@@ -378,14 +379,13 @@ def decode_patch(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> list[D
     if patch.encoding == "flat":
         return _decode_flat(patch, layouts, ords, counts)
     total = sum(counts)
-    cols = _int_tensor(patch.cols, "cols")
-    if cols.numel() != total:
-        raise PayloadError(f"patch carries {cols.numel()} index entries, expected {total} (truncated or malformed)")
     if patch.rows is None:
         raise PayloadError("coo patch without rows")
+    for name, t in (("cols", patch.cols), ("rows", patch.rows)):  # counted before they are widened to int64
+        if isinstance(t, torch.Tensor) and t.numel() != total:
+            raise PayloadError(f"patch carries {t.numel()} {name} entries, expected {total} (truncated or malformed)")
+    cols = _int_tensor(patch.cols, "cols")
     rows = _int_tensor(patch.rows, "rows")
-    if rows.numel() != total:
-        raise PayloadError(f"patch carries {rows.numel()} rows, expected {total}")
     if total and (int(cols.min()) < 0 or int(rows.min()) < 0):
         raise PayloadError("patch index stream holds a negative entry")
     values = patch.values.reshape(-1)
@@ -396,7 +396,8 @@ def decode_patch(patch: WeightPatch, layouts: dict[int, TensorLayout]) -> list[D
         seg_r, seg_c = rows[start:start + n], cols[start:start + n]
         if patch.delta_encoded:
             seg_r, seg_c = delta_decode(seg_r, seg_c)
-        if n and (int(seg_r.max()) >= lay.rows or int(seg_c.max()) >= lay.cols or int(seg_c.min()) < 0):
+        if n and (int(seg_r.max()) >= lay.rows or int(seg_c.max()) >= lay.cols or int(seg_c.min()) < 0
+                  or int(seg_r.min()) < 0):  # delta decoding of huge deltas wraps int64 around
             raise PayloadError(f"patch position out of range for tensor ordinal {o} of 2-D shape ({lay.rows}, {lay.cols})")
         pos = seg_r * lay.cols + seg_c
         if n > 1 and not bool((pos[1:] > pos[:-1]).all()):
@@ -435,7 +436,7 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
     starts = [0]
     for b in gap_bytes:
         starts.append(starts[-1] + b)
-    on_cpu = not cols.is_cuda
+    on_cpu = _numba_decodes(cols)
     cols_np = cols.numpy() if on_cpu else None
 
     def one(i: int) -> DecodedTensor:
@@ -450,17 +451,38 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
                 raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[rc]}")
             return DecodedTensor(o, None, values, True, nib_offs[i], exc[lay.elem_size], exc_offs[i], n_excs[i],
                                  count=n, gaps=cols_np, gap_start=starts[i], gap_end=starts[i + 1])
-        gaps = varint_decode(seg)
-        if gaps.numel() != n:
-            raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {gaps.numel()} gaps, expected {n}")
-        positions = torch.cumsum(gaps + 1, 0) - 1
-        if n and int(positions[-1]) >= lay.numel:
-            raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]}")
-        return DecodedTensor(o, positions, values, True, nib_offs[i], exc[lay.elem_size], exc_offs[i], n_excs[i])
+        return DecodedTensor(o, _torch_positions(seg, n, lay.numel, o), values, True, nib_offs[i], exc[lay.elem_size],
+                             exc_offs[i], n_excs[i])
 
     if on_cpu and len(ords) > 1:
         return list(_codec_pool().map(one, range(len(ords))))
     return [one(i) for i in range(len(ords))]
+
+
+def _numba_decodes(cols: torch.Tensor) -> bool:
+    """Whether the numba decoder reads this gap stream (CPU), else torch ops (CUDA)."""
+    return not cols.is_cuda
+
+
+def _torch_positions(seg: torch.Tensor, n: int, numel: int, o: int) -> torch.Tensor:
+    """Positions from one tensor's gap varints with torch ops (any device), every one checked:
+    a gap of ``numel`` or more is refused before the running sum is formed, so the sum of at
+    most ``numel`` gaps cannot wrap int64 around to a position inside the tensor (the last
+    position alone proves nothing then); the positions must also strictly increase."""
+    if not n <= seg.numel() <= MAX_VARINT_BYTES * n:  # before varint_decode widens every byte
+        raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {seg.numel()} bytes for {n} gaps")
+    gaps = varint_decode(seg)
+    if gaps.numel() != n:
+        raise PayloadError(f"flat patch index stream of tensor ordinal {o} holds {gaps.numel()} gaps, expected {n}")
+    if not n:
+        return gaps
+    if int(gaps.max()) >= numel or int(gaps.min()) < 0:
+        raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]} (a gap of "
+                           f"{numel} or more)")
+    positions = torch.cumsum(gaps + 1, 0) - 1
+    if int(positions[-1]) >= numel or (n > 1 and not bool((positions[1:] > positions[:-1]).all())):
+        raise PayloadError(f"flat patch index stream of tensor ordinal {o} {_DECODE_ERRORS[-3]}")
+    return positions
 
 
 def _flat_value_layout(values: torch.Tensor, layouts, ords: list[int], counts: list[int], numba_counts: bool = True):

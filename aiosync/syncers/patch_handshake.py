@@ -27,6 +27,11 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_session(x: Any) -> bool:
+    """A handshake id: a plain int that travels as an int64 (bootstrap buckets carry it as a tensor)."""
+    return is_int(x) and 0 <= x < 1 << 63
+
+
 def metadata_dtype(name: Any) -> torch.dtype:
     """A dtype named in receiver metadata; an unknown name is a :class:`HandshakeError`."""
     dt = dtype_from_name(name)
@@ -62,8 +67,8 @@ def check_metadata(meta: ReceiverMetadata) -> None:
     if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
         raise HandshakeError("receiver metadata is malformed: keys must be distinct strings")
     for k, shape in zip(keys, shapes):
-        if not isinstance(shape, (list, tuple, torch.Size)) or not all(is_int(d) and d >= 0 for d in shape):
-            raise HandshakeError(f"receiver metadata gives {k!r} the malformed shape {shape!r}")
+        if not isinstance(shape, (list, tuple, torch.Size)) or not all(is_int(d) and 0 <= d < 1 << 63 for d in shape):
+            raise HandshakeError(f"receiver metadata gives {k!r} the malformed shape {str(shape)[:80]!r}")
     for d in dtypes:
         metadata_dtype(d)
     if not isinstance(meta.aliases, dict) or not all(
@@ -73,8 +78,9 @@ def check_metadata(meta: ReceiverMetadata) -> None:
     if not isinstance(viewable, (list, tuple)) or (viewable and len(viewable) != len(keys)) or not all(
             isinstance(v, bool) for v in viewable):
         raise HandshakeError("receiver metadata is malformed: viewable must be empty or one bool per key")
-    if meta.session is not None and not is_int(meta.session):
-        raise HandshakeError(f"receiver metadata has a malformed session {meta.session!r}")
+    if meta.session is not None and not is_session(meta.session):
+        raise HandshakeError(f"receiver metadata has a malformed session {str(meta.session)[:40]!r} (an int in "
+                             "[0, 2**63) or null)")
 
 
 def check_hello(hello: Any, n_keys: int, session: int | None) -> None:
@@ -84,8 +90,8 @@ def check_hello(hello: Any, n_keys: int, session: int | None) -> None:
     if not isinstance(hello.ok, bool) or not isinstance(hello.init_sync, bool):
         raise HandshakeError("the sender's answer is malformed: ok and init_sync must be bools")
     if not hello.ok:
-        raise HandshakeError(f"the sender refused this receiver: {hello.error}")
-    if hello.session is not None and hello.session != session:
+        raise HandshakeError(f"the sender refused this receiver: {str(hello.error)[:2000]}")
+    if hello.session is not None and (not is_session(hello.session) or hello.session != session):
         raise HandshakeError("the sender's answer belongs to another handshake (a stale or duplicated message)")
     ords = hello.synced_ordinals
     if not isinstance(ords, (list, tuple)) or not all(is_int(o) and 0 <= o < n_keys for o in ords):

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..aio import finish_cuda_work
 from ..errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
 from ..messages import payload_nbytes
 from .bucket_format import check_version
@@ -92,7 +93,7 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
         return PreparedPatch(version, [], [], None, None, nbytes)
     try:
         if isinstance(payload, CompressedWeightPatch):
-            payload = decompress_patch(payload, {o: lay.elem_size for o, lay in state.layouts.items()})
+            payload = decompress_patch(payload, state.layouts)
         deferred = None
         if payload.encoding != "ctx":
             decoded = decode_patch(payload, state.layouts)
@@ -215,6 +216,7 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
             for job, want in zip(jobs, hashes):
                 if job.fast:
                     _check_drift(job, job.old_hash, want)
+        finish_cuda_work(job.t for job in jobs)  # the writes landed before anything reads or commits them
         if prepared.checksums is not None:
             for job, want in zip(jobs, prepared.checksums):
                 if tensor_checksum(job.t) != want:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ..aio import resolve_device
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -85,44 +88,6 @@ class FlatDiff:
     old_hash: int = 0  # the drift hash of the old bits at the changed positions (unsigned 64-bit)
 
 
-def _diff_torch(new: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch-ops compare of two contiguous 1-D bit tensors; updates ``snap``; any device.
-
-    Compares 64-bit words first (one pass of wide compares), then refines only the words
-    that differ, then handles the unaligned tail element-wise.
-    """
-    n = new.numel()
-    esize = new.element_size()
-    lanes = 8 // esize
-    n_words = n // lanes
-    parts = []
-    if lanes > 1 and n_words > 0 and snap.storage_offset() % lanes == 0 and new.storage_offset() % lanes == 0:
-        aligned = n_words * lanes
-        nw = new[:aligned].view(torch.int64)
-        sw = snap[:aligned].view(torch.int64)
-        widx = torch.nonzero(nw != sw).reshape(-1)
-        if widx.numel():
-            nsel = new[:aligned].view(n_words, lanes).index_select(0, widx)
-            ssel = snap[:aligned].view(n_words, lanes).index_select(0, widx)
-            wi, li = torch.nonzero(nsel != ssel, as_tuple=True)
-            parts.append((widx[wi] * lanes + li, nsel[wi, li], ssel[wi, li]))
-        start = aligned
-    else:
-        start = 0
-    if start < n:
-        idx = torch.nonzero(new[start:] != snap[start:]).reshape(-1)
-        if idx.numel():
-            parts.append((idx + start, new[start:][idx], snap[start:][idx]))
-    if not parts:
-        empty = new.new_empty(0)
-        return torch.empty(0, dtype=torch.int64, device=new.device), empty, empty
-    pos = torch.cat([p[0] for p in parts])
-    nv = torch.cat([p[1] for p in parts])
-    ov = torch.cat([p[2] for p in parts])
-    snap[pos] = nv
-    return pos, nv, ov
-
-
 def _cat(parts: list[np.ndarray], axis: int = 0) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
 
@@ -137,9 +102,9 @@ class Snapshot:
 
     def __init__(self, device: str | torch.device = "cpu", *, chunk_elems: int = 1 << 22,
                  workers: int | None = None, kernel: str = "auto") -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("snapshot_device is cuda but CUDA is not available; use snapshot_device: cpu")
+        self.device = resolve_device(device)  # made on the caller's side: "cuda" is its device, not device 0
         if kernel not in ("auto", "torch"):
             raise ValueError(f"kernel must be 'auto' or 'torch', got {kernel!r}")
         self.kernel = kernel
@@ -151,6 +116,8 @@ class Snapshot:
         self._local = threading.local()
         self._writeback: list[Future] = []
         self.staged_event = None  # CUDA event marking staged results (W13), else None
+        self._copy_streams: dict = {}  # device -> the one prefetch stream (a new one per build piles up blocks)
+        self._pinned: PinnedBlock | None = None  # the CPU snapshot of CUDA tensors, pinned in one exact block
 
     # ----------------------------------------------------------------- state
     @property
@@ -192,12 +159,17 @@ class Snapshot:
         """(Re)take the snapshot: each tensor cast to its receiver dtype, copied to ``device``."""
         self.wait_writeback()
         pin = self.device.type == "cpu" and torch.cuda.is_available() and any(t.is_cuda for t in tensors)
-        snaps = []
-        for t, dt in zip(tensors, dtypes):
-            s = torch.empty(t.numel(), dtype=dt, device=self.device, pin_memory=pin)
+        old_block, self._pinned = self._pinned, None
+        if pin:  # one pageable block of exactly the snapshot's size, registered with CUDA (W13)
+            self._pinned = PinnedBlock([t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes)])
+            snaps = [self._pinned.view(i, dt) for i, dt in enumerate(dtypes)]
+        else:
+            snaps = [torch.empty(t.numel(), dtype=dt, device=self.device) for t, dt in zip(tensors, dtypes)]
+        for s, t in zip(snaps, tensors):
             s.copy_(t.detach().reshape(-1))
-            snaps.append(s)
         self._snaps = snaps
+        if old_block is not None:
+            old_block.release()
         self._shapes = [t.shape for t in tensors]
 
     # ------------------------------------------------------------------ diff
@@ -224,9 +196,11 @@ class Snapshot:
         cpu_slots = [i for i, t in by_slot.items() if not (t.is_cuda or self._snaps[i].is_cuda)]
         gpu_slots = [i for i in by_slot if i not in set(cpu_slots)]
         if cpu_slots:
-            if self.kernel == "torch":
-                for i in cpu_slots:
-                    pos, nv, ov = _diff_torch(as_bits(self._cast(by_slot[i], i)), as_bits(self._snaps[i]))
+            if self.kernel == "torch":  # the CUDA builder's algorithm, on CPU
+                from .snapshot_cuda import diff_groups
+
+                pairs = [(as_bits(self._cast(by_slot[i], i)), as_bits(self._snaps[i])) for i in cpu_slots]
+                for i, (pos, nv, ov) in zip(cpu_slots, diff_groups(pairs)):
                     results.append(TensorDiff(i, pos, nv, ov))
             else:
                 results.extend(self._diff_cpu_numba(by_slot, cpu_slots))
@@ -414,45 +388,61 @@ class Snapshot:
 
     # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
     def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:
+        """Groups of tensors per host synchronisation (:mod:`.snapshot_cuda`), on the caller's
+        stream; a CPU snapshot's next group is prefetched on one side copy stream per device."""
+        from .snapshot_cuda import GROUP_ELEMS, diff_groups
+
         dev = next((t.device for t in tensors.values() if t.is_cuda), None) or next(
             s.device for s in self._snaps if s.is_cuda)
-        compute = torch.cuda.current_stream(dev)
-        copy_stream = torch.cuda.Stream(dev)
-        diffs: list[TensorDiff] = []
-        writebacks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        compute = torch.cuda.current_stream(dev)  # the caller's stream (run_sync carries it here)
+        copy_stream = self._copy_streams.get(dev)
+        if copy_stream is None:
+            copy_stream = self._copy_streams[dev] = torch.cuda.Stream(dev)
+        groups: list[list[int]] = [[]]
+        filled = 0
+        for slot in slots:
+            n = self._snaps[slot].numel()
+            if groups[-1] and filled + n > GROUP_ELEMS:
+                groups.append([])
+                filled = 0
+            groups[-1].append(slot)
+            filled += n
 
-        def prefetch(slot: int):
-            snap = self._snaps[slot]
-            if snap.is_cuda:
-                return snap, None
+        def prefetch(group: list[int]):
+            host = [s for s in group if not self._snaps[s].is_cuda]
+            if not host:
+                return {}, None
             with torch.cuda.stream(copy_stream):
-                g = snap.to(dev, non_blocking=True)
+                on_gpu = {s: self._snaps[s].to(dev, non_blocking=True) for s in host}
                 ev = torch.cuda.Event()
                 ev.record(copy_stream)
-            return g, ev
+            return on_gpu, ev
 
-        nxt = prefetch(slots[0])
-        for k, slot in enumerate(slots):
-            snap_gpu, ev = nxt
-            if k + 1 < len(slots):
-                nxt = prefetch(slots[k + 1])
+        diffs: list[TensorDiff] = []
+        writebacks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        nxt = prefetch(groups[0])
+        for k, group in enumerate(groups):
+            on_gpu, ev = nxt
+            if k + 1 < len(groups):
+                nxt = prefetch(groups[k + 1])
             if ev is not None:
                 compute.wait_event(ev)
-                snap_gpu.record_stream(compute)
-            new = self._cast(tensors[slot], slot, dev)
-            pos, nv, ov = _diff_torch(as_bits(new), as_bits(snap_gpu))
-            if pos.numel() == 0:
-                continue
-            if out_device.type == "cpu":
-                staged = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (pos, nv, ov)]
-                for dst, src in zip(staged, (pos, nv, ov)):
-                    dst.copy_(src, non_blocking=True)
-                pos_o, nv_o, ov_o = staged
-            else:
-                pos_o, nv_o, ov_o = pos, nv, ov
-            diffs.append(TensorDiff(slot, pos_o, nv_o, ov_o))
-            if not self._snaps[slot].is_cuda:
-                writebacks.append((slot, pos_o, nv_o))
+                for t in on_gpu.values():
+                    t.record_stream(compute)
+            pairs = [(as_bits(self._cast(tensors[s], s, dev)), as_bits(on_gpu.get(s, self._snaps[s]))) for s in group]
+            for slot, (pos, nv, ov) in zip(group, diff_groups(pairs)):
+                if pos.numel() == 0:
+                    continue
+                if out_device.type == "cpu":
+                    staged = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (pos, nv, ov)]
+                    for dst, src in zip(staged, (pos, nv, ov)):
+                        dst.copy_(src, non_blocking=True)
+                    pos_o, nv_o, ov_o = staged
+                else:
+                    pos_o, nv_o, ov_o = pos, nv, ov
+                diffs.append(TensorDiff(slot, pos_o, nv_o, ov_o))
+                if not self._snaps[slot].is_cuda:
+                    writebacks.append((slot, pos_o, nv_o))
         event = torch.cuda.Event()
         event.record(compute)
         self.staged_event = event if out_device.type == "cpu" else None
@@ -476,3 +466,48 @@ class Snapshot:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._snaps = []
+        if self._pinned is not None:
+            self._pinned.release()
+            self._pinned = None
+
+
+class PinnedBlock:
+    """Page-locked host memory of exactly ``sum(sizes)`` bytes (each piece 64-byte aligned): one
+    pageable allocation registered with ``cudaHostRegister``. torch's pinned allocator rounds
+    every block up to a power of two (up to twice the memory); this takes what it needs. Falls
+    back to torch's pinned allocator when registration fails."""
+
+    ALIGN = 64
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.offsets, total = [], 0
+        for n in sizes:
+            self.offsets.append(total)
+            total += -(-n // self.ALIGN) * self.ALIGN
+        self.sizes = list(sizes)
+        self.buffer = torch.empty(max(total, 1), dtype=torch.uint8)
+        self.registered = int(_cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)) == 0
+        if not self.registered:
+            self.buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        else:  # unregistered when the block goes, if release() was not called
+            self._finalizer = weakref.finalize(self, _unregister, self.buffer.data_ptr())
+
+    def view(self, i: int, dtype: torch.dtype) -> torch.Tensor:
+        a = self.offsets[i]
+        return self.buffer[a:a + self.sizes[i]].view(dtype)
+
+    def release(self) -> None:
+        """Unregister the block (its views must no longer be used by the GPU)."""
+        if self.registered:
+            torch.cuda.synchronize()  # no copy in flight may still read or write it
+            self._finalizer()
+            self.registered = False
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+def _unregister(ptr: int) -> None:
+    _cudart().cudaHostUnregister(ptr)

@@ -30,7 +30,7 @@ import anyio
 import numpy as np
 import torch
 
-from ..aio import run_sync
+from ..aio import finish_cuda_work, run_sync
 from ..errors import ApplyError
 from .base import CommitTarget
 from .snapshot import BITS_DTYPES, as_bits
@@ -228,6 +228,7 @@ class FullStateWrite:
                     view[entry.index] = entry.new_bits
                 if after_each is not None:
                     after_each(i, len(entries))
+        finish_cuda_work(target[e.key] for e in entries)  # the writes landed before the version commits
         return self.changed
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ...errors import ConfigError, PeerTimeoutError, TransportError
 from .ops import _Op, is_gloo
 from .transport import DEFAULT_TAG, DistributedTransport
-from .wire import Prefix, decode_message, encode_cached
+from .wire import Prefix, allocate_frame, decode_message, encode_cached
 
 __all__ = ["WeightSyncGroup"]
 
@@ -72,7 +72,8 @@ class WeightSyncGroup:
     @classmethod
     def init(cls, *, backend: str = "auto", comm_options: Any = None, timeout: float | None = 600.0,
              group_timeout: timedelta = timedelta(days=1), ranks: Iterable[int] | None = None,
-             init_timeout: timedelta = timedelta(seconds=300)) -> "WeightSyncGroup":
+             init_timeout: timedelta = timedelta(seconds=300), data_timeout: timedelta | None = None
+             ) -> "WeightSyncGroup":
         """Create the weight-sync groups (a collective: call it on every rank).
 
         Initialises the default process group from the ``torchrun`` environment first if needed
@@ -89,6 +90,13 @@ class WeightSyncGroup:
         channel's group was made with their syncer's options
         (:meth:`~.transport.DistributedTransport.use_comm_options`).
         ``timeout``: the per-call bound of the transports it makes.
+
+        NCCL (issue 18): the data communicator is made eagerly and warmed up here with a barrier
+        (collectively, at init, never on the event loop at the first send); its own timeout is
+        ``data_timeout`` (default: ``2 × timeout``, at least 5 minutes), not the control group's
+        day: NCCL work stuck on a dead peer is ended by NCCL's watchdog within that bound (what
+        the process does then follows ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). Gloo waits for the
+        next version idly, so the control group keeps ``group_timeout``.
         """
         if not dist.is_available():
             raise TransportError("torch.distributed is not available in this torch build")
@@ -109,9 +117,13 @@ class WeightSyncGroup:
             device = torch.device("cuda", _env_int("LOCAL_RANK", 0) % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(device)
             pg_options, algo = _nccl_options(comm_options, report)
+            if data_timeout is None:
+                data_timeout = timedelta(seconds=max(300.0, 2 * timeout)) if timeout else group_timeout
             with _scoped_env("NCCL_ALGO", algo):  # eager (device_id): NCCL reads it now, and only now
-                data_group = dist.new_group(ranks, timeout=group_timeout, backend="nccl", pg_options=pg_options,
+                data_group = dist.new_group(ranks, timeout=data_timeout, backend="nccl", pg_options=pg_options,
                                             device_id=device)
+            if ranks is None or dist.get_rank() in ranks:  # warm: connected now, collectively
+                dist.barrier(group=data_group, device_ids=[device.index])
         else:
             data_group = group
             if comm_options is not None and not getattr(comm_options, "is_default", True):
@@ -171,10 +183,7 @@ class WeightSyncGroup:
             header, host, dev = frame.header_tensor(), frame.host, frame.device
         else:  # validated like a point-to-point prefix, before anything is allocated
             announced = Prefix.parse(meta, sender=f"rank {src} (broadcast)", device_body=self.device is not None)
-            header = torch.empty(announced.header_bytes, dtype=torch.uint8)
-            host = torch.empty(announced.host_bytes, dtype=torch.uint8) if announced.host_bytes else None
-            dev = (torch.empty(announced.device_bytes, dtype=torch.uint8, device=self.device)
-                   if announced.device_bytes else None)
+            header, host, dev = allocate_frame(announced, None, self.device, sender=f"rank {src} (broadcast)")
         await bcast(header, self.group, "header")
         if host is not None:
             await bcast(host, self.group, "host body")

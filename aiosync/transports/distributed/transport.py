@@ -32,16 +32,19 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from ...aio import bind_cuda
 from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
-from .wire import Prefix, decode_message, encode_cached
+from .wire import MAX_MESSAGE_BYTES, Prefix, allocate_frame, decode_message, encode_cached
 
 __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TAG"]
 
 log = logging.getLogger("aiosync.transport")
 
 DEFAULT_TAG = 0x5A5C
+#: (data group, peer) -> set once the first NCCL operation to that peer was posted (its communicator exists)
+_WARM: dict[tuple[int, int], anyio.Event] = {}
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class DistributedTransport(Transport):
     #: The W4 options ``data_group``'s NCCL communicator was made with (``None``: defaults).
     comm_options: Any = None
     stats: DistributedStats = field(default_factory=DistributedStats)
+    #: The largest message (host + device bodies) this end accepts: a prefix announcing more breaks
+    #: the channel before anything is allocated.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     #: Why the channel is unusable (the peer died, a frame was corrupt), or ``None``.
     broken: BaseException | None = None
     closed: bool = False
@@ -152,7 +158,37 @@ class DistributedTransport(Transport):
         err.__cause__ = exc
         return err
 
-    def _post(self, fn, tensor: torch.Tensor, *, data: bool, what: str) -> _Op:
+    async def _post_data(self, fn, tensor: torch.Tensor, deadline: float | None, what: str) -> _Op:
+        """Post a data-group operation. Over NCCL the first one to a peer builds that pair's
+        communicator, which blocks until the peer posts its side: it is posted from a worker
+        thread (the event loop never waits on it), and later posts wait for it, bounded by the
+        call's deadline, before posting on the loop. A peer that does not join within the bound
+        breaks the channel (part of a frame is posted, part is not)."""
+        if self._data_threaded:
+            return self._post(fn, tensor, data=True, what=what)
+        key = (id(self.data_group), self.peer)
+        warm = _WARM.get(key)
+        if warm is None:
+            warm = _WARM[key] = anyio.Event()
+            with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                try:
+                    op = await anyio.to_thread.run_sync(bind_cuda(self._post), fn, tensor, True, what,
+                                                        abandon_on_cancel=True)
+                except TimeoutError:  # the post may still complete in its thread: the framing is lost
+                    raise self._fail(PeerTimeoutError(f"the peer did not join the NCCL communicator within "
+                                                      f"{self.timeout}s"), what) from None
+            warm.set()
+            return op
+        if not warm.is_set():
+            try:
+                with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                    await warm.wait()
+            except TimeoutError:  # the frame's other parts are posted, this one not: the framing is lost
+                raise self._fail(PeerTimeoutError("its NCCL communicator is still being made (the peer has not "
+                                                  "joined)"), what) from None
+        return self._post(fn, tensor, data=True, what=what)
+
+    def _post(self, fn, tensor: torch.Tensor, data: bool = False, what: str = "") -> _Op:
         group = self.data_group if data else self.group
         try:
             work = fn(tensor, self.peer, group=group, tag=self.tag)
@@ -212,7 +248,7 @@ class DistributedTransport(Transport):
             if frame.host is not None:
                 ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
             if frame.device is not None:
-                ops.append(self._post(dist.isend, frame.device, data=True, what="send (device body)"))
+                ops.append(await self._post_data(dist.isend, frame.device, deadline, "send (device body)"))
             for op in ops:
                 await self._await(op, deadline, op.what)
         self.stats.messages_sent += 1
@@ -230,20 +266,20 @@ class DistributedTransport(Transport):
         await self._await(inc.prefix_op, deadline, "recv")
         if inc.announced is None:
             try:  # validated before anything is allocated for what it announces
-                announced = Prefix.parse(inc.prefix, sender=f"rank {self.peer}", device_body=self.device is not None)
-            except PayloadError as err:
+                announced = Prefix.parse(inc.prefix, sender=f"rank {self.peer}", device_body=self.device is not None,
+                                         max_bytes=self.max_message_bytes)
+                header_dev = self.device if (self.device is not None and not self._ctrl_threaded) else None
+                inc.header, inc.host, inc.dev = allocate_frame(announced, header_dev, self.device,
+                                                               sender=f"rank {self.peer}")
+            except PayloadError as err:  # the framing can no longer be trusted
                 raise self._fail(err, "recv") from err
             inc.announced = announced
-            header_dev = self.device if (self.device is not None and not self._ctrl_threaded) else None
-            inc.header = torch.empty(announced.header_bytes, dtype=torch.uint8, device=header_dev)
             ops = [self._post(dist.irecv, inc.header, data=False, what="recv (header)")]
-            if announced.host_bytes:
-                inc.host = torch.empty(announced.host_bytes, dtype=torch.uint8)
+            if inc.host is not None:
                 ops.append(self._post(dist.irecv, inc.host, data=False, what="recv (host body)"))
-            if announced.device_bytes:
-                inc.dev = torch.empty(announced.device_bytes, dtype=torch.uint8, device=self.device)
-                ops.append(self._post(dist.irecv, inc.dev, data=True, what="recv (device body)"))
             inc.body_ops = ops
+            if inc.dev is not None:
+                ops.append(await self._post_data(dist.irecv, inc.dev, deadline, "recv (device body)"))
         for op in inc.body_ops:
             await self._await(op, deadline, op.what)
         self._incoming = None

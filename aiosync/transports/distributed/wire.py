@@ -37,11 +37,11 @@ import torch
 
 from ...aio import run_sync
 from ...dtypes import dtype_from_name, dtype_name
-from ...errors import PayloadError
+from ...errors import MessageError, PayloadError
 from ...messages import is_message, message_type, payload_nbytes, type_name
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PREFIX_BYTES", "Prefix", "Frame", "encode_message", "decode_message",
-           "encode_cached"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "PREFIX_BYTES", "Prefix", "Frame", "allocate_frame",
+           "encode_message", "decode_message", "encode_cached"]
 
 MAGIC = 0x41494F53594E4331  # "AIOSYNC1"
 #: The prefix: four int64 words.
@@ -54,6 +54,11 @@ _PACK_IN_THREAD = 1 << 20
 MAX_HEADER_BYTES = 256 << 20
 #: Tensor entries whose body number is ``_EXTERNAL + i`` live in external body ``i`` (out of band).
 _EXTERNAL = 2
+#: Default upper bound on one message's bodies (host + device): a corrupt or hostile prefix cannot
+#: make a receiver try to allocate more (``DistributedTransport.max_message_bytes`` changes it).
+MAX_MESSAGE_BYTES = 1 << 40
+#: Deepest nesting of containers a message header may hold (payloads nest a few levels).
+MAX_DEPTH = 32
 
 
 # ----------------------------------------------------------------------------- the prefix
@@ -84,7 +89,8 @@ class Prefix:
         return torch.zeros(PREFIX_WORDS, dtype=torch.int64, device=device)
 
     @classmethod
-    def parse(cls, words: torch.Tensor | Sequence[int], *, sender: str, device_body: bool = True) -> "Prefix":
+    def parse(cls, words: torch.Tensor | Sequence[int], *, sender: str, device_body: bool = True,
+              max_bytes: int = MAX_MESSAGE_BYTES) -> "Prefix":
         """Validate a received prefix before anything is allocated for what follows.
 
         ``sender`` names the peer in the error (``"rank 3"``); ``device_body``: whether this
@@ -104,10 +110,29 @@ class Prefix:
                                f"(0, {MAX_HEADER_BYTES}]: not an aiosync message, or a corrupt one {shown}")
         if host_n < 0 or dev_n < 0:
             raise PayloadError(f"{sender} sent a frame with a negative body size: not an aiosync message {shown}")
+        if host_n + dev_n > max_bytes:
+            raise PayloadError(f"{sender} sent a frame whose bodies would take {host_n + dev_n} bytes, more than this "
+                               f"end accepts ({max_bytes}; raise max_message_bytes if such messages are genuine) "
+                               f"{shown}")
         if dev_n and not device_body:
             raise PayloadError(f"{sender} sent {dev_n} bytes of device tensors, but this end has no "
                                "device data group")
         return cls(header_n, host_n, dev_n)
+
+
+def allocate_frame(announced: Prefix, header_device: torch.device | None, device: torch.device | None, *,
+                   sender: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Buffers for the header and bodies a validated prefix announces; an allocation that fails
+    (more than this process can hold) is a :class:`~aiosync.errors.PayloadError`, not a crash."""
+    try:
+        header = torch.empty(announced.header_bytes, dtype=torch.uint8, device=header_device)
+        host = torch.empty(announced.host_bytes, dtype=torch.uint8) if announced.host_bytes else None
+        dev = (torch.empty(announced.device_bytes, dtype=torch.uint8, device=device)
+               if announced.device_bytes else None)
+    except (RuntimeError, MemoryError) as exc:
+        raise PayloadError(f"{sender} announced a frame of {announced.nbytes} bytes, which this process cannot "
+                           f"allocate: {str(exc)[:200]}") from None
+    return header, host, dev
 
 
 @dataclass
@@ -303,25 +328,28 @@ class _Decoder:
             return torch.empty(shape, dtype=dtype, device=body.device)
         return body[off:off + nbytes].view(dtype).reshape(shape)
 
-    def decode(self, node: Any) -> Any:
+    def decode(self, node: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise PayloadError(f"message header nests deeper than {MAX_DEPTH} levels (malformed)")
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
+        depth += 1
         if isinstance(node, list):
-            return [self.decode(v) for v in node]
+            return [self.decode(v, depth) for v in node]
         if not isinstance(node, dict) or len(node) not in (1, 2):
             raise PayloadError(f"malformed message header node {str(node)[:80]!r}")
         if "$t" in node:
             return self.tensor(node["$t"])
         if "$tuple" in node:
-            return tuple(self.decode(v) for v in node["$tuple"])
+            return tuple(self.decode(v, depth) for v in node["$tuple"])
         if "$dict" in node:
             out = {}
             for pair in node["$dict"]:
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise PayloadError("malformed dict entry in message header")
-                key = self.decode(pair[0])
+                key = self.decode(pair[0], depth)
                 try:
-                    out[key] = self.decode(pair[1])
+                    out[key] = self.decode(pair[1], depth)
                 except TypeError:
                     raise PayloadError(f"unhashable dict key {key!r} in message") from None
             return out
@@ -336,10 +364,10 @@ class _Decoder:
         if "$dtype" in node:
             return _parse_dtype(node["$dtype"])
         if "$dc" in node:
-            return self._dataclass(node)
+            return self._dataclass(node, depth)
         raise PayloadError(f"unknown node {sorted(node)} in message header")
 
-    def _dataclass(self, node: dict) -> Any:
+    def _dataclass(self, node: dict, depth: int) -> Any:
         name = node["$dc"]
         cls = message_type(name) if isinstance(name, str) else None
         if cls is None:
@@ -349,7 +377,7 @@ class _Decoder:
         if not isinstance(fields, dict):
             raise PayloadError("malformed dataclass node in message header")
         try:
-            return cls(**{k: self.decode(v) for k, v in fields.items()})
+            return cls(**{k: self.decode(v, depth) for k, v in fields.items()})
         except TypeError as exc:
             raise PayloadError(f"cannot rebuild {cls.__name__} from the message: {exc}") from None
 
@@ -361,16 +389,30 @@ def decode_message(header: bytes, host: torch.Tensor | None = None, device: torc
     order ``external`` numbered them."""
     try:
         doc = json.loads(header.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"message header is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: an integer of thousands of digits
+        raise MessageError(f"message header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("tensors"), list):
-        raise PayloadError("message header has an unknown layout (not an aiosync v1 message)")
+        raise MessageError("message header has an unknown layout (not an aiosync v1 message)")
     try:
         return _Decoder(doc["tensors"], host, device, externals).decode(doc.get("tree"))
-    except PayloadError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
-        raise PayloadError(f"malformed message: {type(exc).__name__}: {exc}") from None
+    except PayloadError as exc:
+        raise _refused(doc, str(exc)) from None
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
+        raise _refused(doc, f"malformed message: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _refused(doc: dict, why: str) -> MessageError:
+    """The error for a message that could not be rebuilt, naming what it claimed to be."""
+    tree = doc.get("tree")
+    name = tree.get("$dc") if isinstance(tree, dict) else None
+    fields = tree.get("f") if isinstance(tree, dict) else None
+    plain = {}
+    if isinstance(fields, dict):
+        for key in ("version", "conv"):
+            value = fields.get(key)
+            if type(value) is int and 0 <= value < 1 << 63:
+                plain[key] = value
+    return MessageError(why, message_type=name if isinstance(name, str) else None, **plain)
 
 
 # ----------------------------------------------------------------------------- fan-out cache
