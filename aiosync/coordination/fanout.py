@@ -7,7 +7,10 @@ it built (``history``).
 
 * A member at the lineage's version gets the packet built for the next version; the first
   member to ask builds it (under the lineage's lock), the others reuse it — in process by
-  reference, across processes the encoded frame is reused too.
+  reference, across processes the same bytes: a syncer that ``shares_payloads`` gets its
+  payloads wrapped as :class:`~aiosync.messages.Shared` (encoded once, however many explorers
+  and processes take them) and each member's handshake session travels beside them
+  (:class:`~aiosync.syncers.payloads.Stamped`, :func:`restamp`).
 * A member that lags (its own delivery line coalesced a few versions away) gets the chain of
   cached packets from its version on, each applied atomically; a ``latest`` lineage (bucket
   mode) just sends its newest packet (buckets carry whole tensors).
@@ -35,8 +38,9 @@ from typing import Any, Hashable
 
 import anyio
 
-from ..messages import payload_nbytes
+from ..messages import Shared, payload_nbytes
 from ..syncers.base import WeightSyncer
+from ..syncers.payloads import Stamped
 from .protocol import Packet
 from .sources import Published, own_bytes
 
@@ -71,19 +75,33 @@ def receiver_key(metadata: Any) -> str | None:
 
 
 def restamp(packet: Packet, session: int | None) -> Packet:
-    """``packet`` for a receiver whose handshake is ``session``: payloads that carry a
-    ``session`` field (patches) are shallow copies stamped with it, tensors shared. The same
-    packet object comes back when nothing changes (so its encoded frame is reused)."""
+    """``packet`` for a receiver whose handshake is ``session``. A shared payload that carries a
+    ``session`` (a patch) gets the receiver's stamp beside it (:class:`Stamped`: the patch
+    stays the one object every member shares, encoded once); another payload with a
+    ``session`` field becomes a shallow copy stamped with it (tensors shared, encoded again for
+    each receiver). The same packet object comes back when nothing changes (so its encoded frame
+    is reused)."""
     if session is None:
         return packet
     payloads, changed = [], False
     for p in packet.payloads:
-        if (dataclasses.is_dataclass(p) and not isinstance(p, type) and hasattr(p, "session")
+        if isinstance(p, Shared) and getattr(p.value, "session", None) is not None:
+            p = Stamped(session, p)
+            changed = True
+        elif (dataclasses.is_dataclass(p) and not isinstance(p, type) and hasattr(p, "session")
                 and p.session is not None and p.session != session):
             p = dataclasses.replace(p, session=session)
             changed = True
         payloads.append(p)
     return dataclasses.replace(packet, payloads=payloads) if changed else packet
+
+
+def shared_packet(packet: Packet, sender: WeightSyncer) -> Packet:
+    """``packet`` with its payloads wrapped as :class:`Shared` when ``sender``'s receivers take
+    them so (``shares_payloads``)."""
+    if not getattr(sender, "shares_payloads", False):
+        return packet
+    return dataclasses.replace(packet, payloads=[p if isinstance(p, Shared) else Shared(p) for p in packet.payloads])
 
 
 @dataclass(eq=False)
@@ -98,7 +116,7 @@ class Built:
 
 
 @dataclass(frozen=True)
-class Shared:
+class Decision:
     """What :meth:`FanOut.serve` decided for a member: send ``chain`` in order (empty: the member
     is up to date); ``built_here``: this member built the newest packet."""
 
@@ -221,7 +239,7 @@ class FanOut:
             if not old.members:
                 self._drop(old)
 
-    async def serve(self, member: Hashable, base: int | None, pub: Published) -> Shared | None:
+    async def serve(self, member: Hashable, base: int | None, pub: Published) -> Decision | None:
         """The packets taking ``member`` from its applied version ``base`` to ``pub.version`` (or
         newer), building the next one if no member did yet; ``None`` when no lineage reaches
         ``base`` (the member must be re-bootstrapped, and has left its lineage).
@@ -248,7 +266,7 @@ class FanOut:
             return None
         if not built_here and chain:
             self.shared += 1
-        return Shared(chain, built_here)
+        return Decision(chain, built_here)
 
     async def _build(self, lineage: Lineage, pub: Published) -> None:
         payloads: list = []
@@ -264,7 +282,7 @@ class FanOut:
             self._drop(lineage)
             raise
         build_s = time.perf_counter() - t0
-        packet = own_bytes(Packet(pub.version, payloads), pub)
+        packet = shared_packet(own_bytes(Packet(pub.version, payloads), pub), lineage.sender)
         lineage.history.append(Built(packet, lineage.version, payload_nbytes(payloads),
                                      changed_elements(lineage.sender), build_s))
         lineage.version = pub.version

@@ -109,6 +109,11 @@ class WeightSyncer(ABC):
     #: sync carries the whole state: an explorer needs only the newest), ``None`` (one private
     #: sender per explorer).
     fan_out_mode: ClassVar[str | None] = None
+    #: ``True`` when the receiver takes a sync's payloads as :class:`aiosync.messages.Shared`
+    #: (and patches as :class:`~aiosync.syncers.payloads.Stamped`): a fan-out then sends one
+    #: object, encoded once, to every explorer at that version, with each explorer's session
+    #: beside it. ``False``: each explorer gets its own copy of the payload (encoded per explorer).
+    shares_payloads: ClassVar[bool] = False
 
     #: ``True`` when ``apply`` swaps in a whole version at once, so it may run in the
     #: background while rollouts continue (``sync_weight_no_wait``). Bucket mode is not.

@@ -19,7 +19,7 @@ import torch
 from ..aio import run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
-from ..messages import RecvFn, SendFn, payload_nbytes
+from ..messages import RecvFn, SendFn, payload_nbytes, unshare
 from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .bucket_format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys,
                             check_version, iter_named_tensor_buckets, seal_bucket)
@@ -41,6 +41,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
     supports_no_wait = False
     supports_staging = True
     fan_out_mode = "latest"
+    shares_payloads = True
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`).
     after_each_write: Callable[[int, int], None] | None = None
@@ -156,7 +157,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
         plan, held, nbytes = FullStateWrite(), {}, 0
         while not reader.done:
-            payload = await recv_with_timeout(recv, self.config.recv_timeout, "a weight bucket")
+            payload = unshare(await recv_with_timeout(recv, self.config.recv_timeout, "a weight bucket"))
             tensors = await run_sync(reader.read, payload)  # validates; writes nothing
             nbytes += payload_nbytes(tensors)
             if self.config.load_instant:

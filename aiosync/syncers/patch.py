@@ -83,6 +83,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     payloads_per_sync = 1
     supports_staging = True
     fan_out_mode = "chain"
+    shares_payloads = True
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`); ``None`` writes tensors in parallel.
     after_each_write: Callable[[int, int], None] | None = None

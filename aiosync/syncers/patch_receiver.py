@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from ..errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
-from ..messages import payload_nbytes
+from ..messages import payload_nbytes, unshare
 from .bucket_format import check_version
 from .codecs import decompress_patch
 from .indexing import as_coo_2d_view, coo_2d_shape
 from .integrity import drift_hash, read_checksums, tensor_checksum
 from .patch_format import DecodedTensor, TensorLayout, decode_patch
 from .patch_handshake import is_int
-from .payloads import CompressedWeightPatch, EmptyWeightPatch, WeightPatch
+from .payloads import CompressedWeightPatch, EmptyWeightPatch, Stamped, WeightPatch
 from .snapshot import _np_bits, as_bits
 from .staging import Journal
 
@@ -58,6 +58,18 @@ class PreparedPatch:
         return sum(d.count for d in self.decoded)
 
 
+def unstamp(payload: Any, session: int | None) -> tuple[Any, int | None]:
+    """The patch inside a received payload, and the session its own field must still match:
+    a :class:`Stamped` payload is checked against ``session`` here (its patch is shared by
+    every receiver, so its own field is not looked at)."""
+    if not isinstance(payload, Stamped):
+        return unshare(payload), session
+    if session is not None and (not is_int(payload.session) or payload.session != session):
+        raise PayloadError(f"a patch stamped for another handshake (session {payload.session!r}) arrived: a stale "
+                           "or duplicated payload; refused, nothing was written")
+    return unshare(payload.payload), None
+
+
 def check_header(payload: Any, version_now: int | None, session: int | None) -> int:
     """Kind, version, base version and session of a received patch; returns its version."""
     if not isinstance(payload, (WeightPatch, CompressedWeightPatch, EmptyWeightPatch)):
@@ -82,7 +94,8 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
     """Validate ``payload`` whole against the receiver; nothing is written (``target`` is read
     for shapes and dtypes only). Everything malformed raises :class:`PayloadError` (or the
     subclass named), never another exception type."""
-    version = check_header(payload, version_now, state.session)
+    payload, session = unstamp(payload, state.session)
+    version = check_header(payload, version_now, session)
     nbytes = payload_nbytes(payload)
     if isinstance(payload, EmptyWeightPatch):
         return PreparedPatch(version, [], [], None, None, nbytes)

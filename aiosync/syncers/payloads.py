@@ -5,6 +5,10 @@ with :class:`SenderHello`; then the optional bootstrap buckets follow. Each sync
 :class:`WeightPatch`, :class:`CompressedWeightPatch` or :class:`EmptyWeightPatch`.
 Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket_format`).
 
+One version's patch goes to every explorer at its base version as the same object (a
+:class:`~aiosync.messages.Shared`, encoded once); what differs per explorer — the session of
+its handshake — travels beside it, in a :class:`Stamped`.
+
 Every class here is a registered message type (:func:`aiosync.messages.message`): a receiving
 process rebuilds them field by field, never by unpickling.
 """
@@ -12,6 +16,7 @@ process rebuilds them field by field, never by unpickling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -142,3 +147,15 @@ class CompressedWeightPatch:
         extra = [self.ordinals, self.nnz_per_tensor, self.gap_bytes, self.checksums, self.old_hashes]
         return (sum(b.numel() for b in self.blobs.values())
                 + sum(t.numel() * t.element_size() for t in extra if t is not None))
+
+
+@message
+@dataclass(eq=False)
+class Stamped:
+    """One receiver's stamp beside a payload that every receiver at that version shares:
+    ``session``, the handshake it belongs to (:attr:`ReceiverMetadata.session`). ``payload`` is
+    the same object for all of them (a :class:`~aiosync.messages.Shared` patch, encoded once);
+    the receiver checks the stamp instead of the patch's own ``session``."""
+
+    session: int
+    payload: Any

@@ -35,13 +35,15 @@ import torch.distributed as dist
 from ...errors import ClosedResourceError, PayloadError, PeerTimeoutError, TransportError
 from ..base import Transport, TransportStatistics
 from .ops import _Op, is_gloo
-from .wire import Prefix, decode_message, encode_cached
+from .wire import Frame, Prefix, decode_doc, encode_cached, read_header
 
 __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TAG"]
 
 log = logging.getLogger("aiosync.transport")
 
 DEFAULT_TAG = 0x5A5C
+
+_SKIP = object()  # a message the transport consumed itself
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ class _Incoming:
     host: torch.Tensor | None = None
     dev: torch.Tensor | None = None
     body_ops: list = field(default_factory=list)
+    #: The header, read (version 2: the detached bodies that follow, and how they travel).
+    doc: dict | None = None
+    detached: list = field(default_factory=list)
+    detached_ops: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -109,6 +115,8 @@ class DistributedTransport(Transport):
     closed: bool = False
     _send_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
     _incoming: _Incoming | None = field(default=None, repr=False)
+    #: Receives bodies that do not come point to point (a multicast round: :mod:`.multicast`).
+    router: Any = None
     _ctrl_threaded: bool = field(default=True, repr=False)
     _data_threaded: bool = field(default=True, repr=False)
 
@@ -169,32 +177,57 @@ class DistributedTransport(Transport):
         """Send one payload; returns when the peer received all of it.
 
         A send that times out was already posted: the message still arrives whole if the
-        peer reads it later, so the framing stays intact.
+        peer reads it later, so the framing stays intact. Shared parts
+        (:class:`aiosync.messages.Shared`) are encoded once per process and their bodies sent
+        as they are, after the message (detached bodies).
         """
         self._check()
         t0 = time.perf_counter()
-        frame = await encode_cached(payload, self.device)
+        frame = await encode_cached(payload, self.device, detach_shared=True)
         self.stats.encode_s += time.perf_counter() - t0
+        async with self._send_lock:
+            await self.send_frame(frame)
+
+    async def send_frame(self, frame: Frame, *, detached: bool = True) -> None:
+        """Send an encoded frame (``detached``: and its detached bodies, point to point). The
+        caller holds :attr:`send_lock` (a multicast round holds it from a member's header to its
+        bodies, so that nothing else comes in between)."""
+        self._check()
         prefix, header = frame.prefix.tensor(), frame.header_tensor()
         if self.device is not None and not self._ctrl_threaded:  # an NCCL control group needs CUDA tensors
             prefix, header = prefix.to(self.device), header.to(self.device)
-        async with self._send_lock:
-            self._check()
-            deadline = self._deadline()
-            ops = [self._post(dist.isend, prefix, data=False, what="send (prefix)"),
-                   self._post(dist.isend, header, data=False, what="send (header)")]
-            if frame.host is not None:
-                ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
-            if frame.device is not None:
-                ops.append(self._post(dist.isend, frame.device, data=True, what="send (device body)"))
-            for op in ops:
-                await self._await(op, deadline, op.what)
+        deadline = self._deadline()
+        ops = [self._post(dist.isend, prefix, data=False, what="send (prefix)"),
+               self._post(dist.isend, header, data=False, what="send (header)")]
+        if frame.host is not None:
+            ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
+        if frame.device is not None:
+            ops.append(self._post(dist.isend, frame.device, data=True, what="send (device body)"))
+        bodies = frame.detached if detached else []
+        for body in bodies:
+            on_device = self.device is not None and body.device.type == self.device.type
+            ops.append(self._post(dist.isend, body, data=on_device, what="send (shared body)"))
+        for op in ops:
+            await self._await(op, deadline, op.what)
         self.stats.messages_sent += 1
-        self.stats.bytes_sent += frame.nbytes
+        self.stats.bytes_sent += frame.prefix.nbytes + sum(b.numel() for b in bodies)
+
+    @property
+    def send_lock(self) -> anyio.Lock:
+        """Held for the whole of one message (its frame and its detached bodies)."""
+        return self._send_lock
 
     async def recv(self) -> Any:
         """Wait for the next payload. A timeout or cancellation loses nothing: the next call
         resumes the same message."""
+        while True:
+            inc = await self._recv_frame()
+            payload = await self._finish(inc)
+            if payload is not _SKIP:
+                return payload
+
+    async def _recv_frame(self) -> _Incoming:
+        """Receive the next frame and its point-to-point detached bodies (resumable)."""
         self._check()
         deadline = self._deadline()
         if self._incoming is None:
@@ -220,11 +253,43 @@ class DistributedTransport(Transport):
             inc.body_ops = ops
         for op in inc.body_ops:
             await self._await(op, deadline, op.what)
+        if inc.doc is None:
+            try:
+                doc = read_header(inc.header.cpu().numpy().tobytes())
+                if any(on_dev and self.device is None for _, on_dev in doc["ext"]):
+                    raise PayloadError(f"rank {self.peer} sent shared device bodies, but this end has no device "
+                                       "data group")
+            except PayloadError as err:  # what follows it cannot be framed
+                raise self._fail(err, "recv") from err
+            inc.doc = doc
+            if doc.get("route") is None:  # detached bodies follow point to point
+                for nbytes, on_dev in doc["ext"]:
+                    body = torch.empty(nbytes, dtype=torch.uint8, device=self.device if on_dev else None)
+                    inc.detached.append(body)
+                    inc.detached_ops.append(self._post(dist.irecv, body, data=bool(on_dev),
+                                                       what="recv (shared body)"))
+        for op in inc.detached_ops:
+            await self._await(op, deadline, op.what)
+        return inc
+
+    async def _finish(self, inc: _Incoming) -> Any:
+        """Decode a received frame (a routed one first gets its bodies, :attr:`router`)."""
+        doc = inc.doc
+        if doc.get("route") is not None:
+            if self.router is None:
+                self._incoming = None
+                raise PayloadError(f"rank {self.peer} sent a message routed by {doc['route']!r}, but this end "
+                                   "has no router for it (make the multicast on this rank too)")
+            bodies = await self.router.receive(self, doc)
+            if bodies is None:  # a fallback of a round already complete: nothing for the caller
+                self._incoming = None
+                return _SKIP
+            inc.detached = bodies
         self._incoming = None
-        header = inc.header.cpu().numpy().tobytes()
         self.stats.messages_received += 1
-        self.stats.bytes_received += inc.announced.nbytes
-        return decode_message(header, inc.host, inc.dev)
+        self.stats.bytes_received += inc.announced.nbytes + sum(b.numel() for b in inc.detached
+                                                                if doc.get("route") is None)
+        return decode_doc(doc, inc.host, inc.dev, externals=inc.detached)
 
     def statistics(self) -> DistributedTransportStatistics:
         """A frozen snapshot of this end's counters."""
