@@ -78,7 +78,7 @@ class _Entry:
     world: int = 1
 
 
-def _local_pieces(state: Mapping[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+def local_pieces(state: Mapping[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """What writer ``rank`` stores of ``state``: tensors, and the slices among them (key →
     ``[offset, full shape]``). A DTensor contributes its local shard (one replica only; an empty
     shard nothing); a :class:`TensorSlice` itself; a plain tensor counts as replicated and is
@@ -243,7 +243,7 @@ class CheckpointDir:
         if writer is None:
             tensors, meta = state, {}
         else:
-            tensors, slices = _local_pieces(state, writer[0])
+            tensors, slices = local_pieces(state, writer[0])
             meta = {"writer": f"{writer[0]}/{writer[1]}", "slices": json.dumps(slices)}
         tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
         meta |= {"version": str(version), "kind": "full" if keep else "sync"}

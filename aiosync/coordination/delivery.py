@@ -352,6 +352,8 @@ class DeliveryLine:
         if self.fanout is not None:
             self.fanout.leave(self)
         bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
+        if self.sender is not None:
+            self.sender.close()
         sender = self.syncers.make(bootstrap)
         self.sender = None
         self._conv += 1

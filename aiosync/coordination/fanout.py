@@ -40,7 +40,7 @@ import anyio
 
 from ..messages import Shared, payload_nbytes
 from ..syncers.base import WeightSyncer
-from ..syncers.payloads import Stamped
+from ..syncers.payloads import ShardedPatch, Stamped
 from .protocol import Packet
 from .sources import Published, own_bytes
 
@@ -76,8 +76,8 @@ def receiver_key(metadata: Any) -> str | None:
 
 def restamp(packet: Packet, session: int | None) -> Packet:
     """``packet`` for a receiver whose handshake is ``session``. A shared payload that carries a
-    ``session`` (a patch) gets the receiver's stamp beside it (:class:`Stamped`: the patch
-    stays the one object every member shares, encoded once); another payload with a
+    ``session`` (a patch), or a sharded patch, gets the receiver's stamp beside it
+    (:class:`Stamped`: the patch stays the one object every member shares, encoded once); another payload with a
     ``session`` field becomes a shallow copy stamped with it (tensors shared, encoded again for
     each receiver). The same packet object comes back when nothing changes (so its encoded frame
     is reused)."""
@@ -85,7 +85,7 @@ def restamp(packet: Packet, session: int | None) -> Packet:
         return packet
     payloads, changed = [], False
     for p in packet.payloads:
-        if isinstance(p, Shared) and getattr(p.value, "session", None) is not None:
+        if isinstance(p, ShardedPatch) or (isinstance(p, Shared) and getattr(p.value, "session", None) is not None):
             p = Stamped(session, p)
             changed = True
         elif (dataclasses.is_dataclass(p) and not isinstance(p, type) and hasattr(p, "session")
@@ -98,10 +98,11 @@ def restamp(packet: Packet, session: int | None) -> Packet:
 
 def shared_packet(packet: Packet, sender: WeightSyncer) -> Packet:
     """``packet`` with its payloads wrapped as :class:`Shared` when ``sender``'s receivers take
-    them so (``shares_payloads``)."""
+    them so (``shares_payloads``); a sharded patch is made of shared parts already."""
     if not getattr(sender, "shares_payloads", False):
         return packet
-    return dataclasses.replace(packet, payloads=[p if isinstance(p, Shared) else Shared(p) for p in packet.payloads])
+    return dataclasses.replace(packet, payloads=[p if isinstance(p, (Shared, ShardedPatch)) else Shared(p)
+                                                 for p in packet.payloads])
 
 
 @dataclass(eq=False)
@@ -224,6 +225,7 @@ class FanOut:
         if lineage.dropped:
             return
         lineage.dropped = True
+        lineage.sender.close()  # its snapshot (a sharded trainer: on every rank) is freed
         if lineage in self.lineages:
             self.lineages.remove(lineage)
         self.lineages_dropped += 1

@@ -203,3 +203,25 @@ class Close(Control):
 
     version: int | None = None
     reason: str = ""
+
+
+# ----------------------------------------------------------------------------- shard ranks
+# Between the rank that runs the synchronizer and the other ranks of a sharded trainer
+# (:mod:`aiosync.coordination.shards`); the commands themselves are the syncers'
+# (:mod:`aiosync.syncers.shards`).
+
+@message
+@dataclass(eq=False)
+class ShardGo:
+    """The synchronizer's rank finished its check point of trainer step ``step``: a shard rank
+    waiting in ``step_done()`` trains on."""
+
+    step: int
+
+
+@message
+@dataclass(eq=False)
+class ShardClose:
+    """The synchronizer closed: a shard rank stops serving."""
+
+    reason: str = ""

@@ -150,6 +150,9 @@ class WeightSyncer(ABC):
         """What the last ``sync`` (sender) or ``apply`` / staged write (receiver) did."""
         return self._statistics
 
+    def close(self) -> None:
+        """Free what a sender keeps between syncs (a snapshot); the default does nothing."""
+
     def require_full_bootstrap(self) -> None:
         """Make this syncer's init conversation send the whole state (a repair must not trust
         the receiver's old weights). A no-op for syncers whose every sync is whole."""

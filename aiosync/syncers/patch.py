@@ -44,8 +44,9 @@ from .integrity import checksum_tensor, new_session, tensor_checksum
 from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
 from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
                               receiver_metadata, sender_layouts)
-from .patch_receiver import PreparedPatch, ReceiverState, prepare_patch, write_patch
+from .patch_receiver import PreparedPatch, ReceiverState, ShardedWrite, prepare_patch, receiver_shards, write_patch
 from .payloads import ReceiverMetadata, SenderHello, WeightPatch
+from .shards import shard_views
 from .snapshot import FlatDiff, Snapshot
 from .staging import FullStateWrite, Journal, warm_up_kernels
 from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
@@ -87,6 +88,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`); ``None`` writes tensors in parallel.
     after_each_write: Callable[[int, int], None] | None = None
+    #: The builder's scratch per chunk as a fraction of the synced elements (``None``: the
+    #: default chunks); a shard sender sets it so its memory stays about its snapshot.
+    scratch_fraction: float | None = None
 
     def __init__(self, snapshot_device: str = _D.snapshot_device, transport_device: str | None = _D.transport_device,
                  delta_encoding: bool = _D.delta_encoding, compression: str = _D.compression,
@@ -193,7 +197,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._slot_keys = slots
         self._layouts = sender_layouts(slots, meta, dtypes)
         self._elem_sizes = {lay.ordinal: lay.elem_size for lay in self._layouts}
-        snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel)
+        snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel, **self._chunking(state_dict, slots))
         await run_sync(self._take_snapshot, snapshot, state_dict, [dtypes[k] for k in slots])
         if self._snapshot is not None:
             self._snapshot.close()
@@ -214,6 +218,18 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
 
         for i, bucket in enumerate(buckets):
             await send(await run_sync(build, i, bucket))
+
+    def _chunking(self, state_dict, slots: list[str]) -> dict:
+        if self.scratch_fraction is None:
+            return {}
+        total = sum(state_dict[k].numel() for k in slots)
+        return {"chunk_elems": min(1 << 22, max(1 << 16, int(total * self.scratch_fraction)))}
+
+    def close(self) -> None:
+        """Free the sender's snapshot (and its builder threads)."""
+        if self._snapshot is not None:
+            self._snapshot.close()
+            self._snapshot = None
 
     def _take_snapshot(self, snapshot: Snapshot, state_dict, dtypes: list[torch.dtype]) -> None:
         # Materialise every synced key in state-dict order, as ranks with is_sender=False do, so
@@ -349,17 +365,27 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
         session = meta.session if hello.session is not None else None
+        shards = () if hello.shards is None else receiver_shards(state_dict, meta, hello.shards, session)
         plan, nbytes = None, 0
         if hello.init_sync:
-            plan, nbytes = await self._receive_bootstrap(state_dict, recv, session)
-        rx = ReceiverState(meta.ordered_keys, receiver_layouts(state_dict, meta.ordered_keys, hello.synced_ordinals),
-                           session)
+            plan, nbytes = await self._receive_bootstrap(state_dict, recv, session, shards)
+        layouts = {} if shards else receiver_layouts(state_dict, meta.ordered_keys, hello.synced_ordinals)
+        rx = ReceiverState(meta.ordered_keys, layouts, session, shards)
         self._pending = _PendingInit(rx, plan, nbytes, time.perf_counter() - t0)
         self._generation += 1
 
-    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None):
-        # The first bucket's manifest is checked against the whole model before anything is
-        # planned; each bucket is validated, then planned (compared with the model) and dropped.
+    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None, shards: tuple = ()):
+        # The first bucket's manifest is checked against the whole model (a shard's: against
+        # that shard's rows) before anything is planned; each bucket is validated, then planned
+        # (compared with the model) and dropped. A sharded sender's shards come one after another.
+        if shards:
+            parts, nbytes = [], 0
+            for shard in shards:
+                if shard.init_sync:
+                    plan, n = await self._receive_bootstrap(shard_views(state_dict, shard.rows), recv, session)
+                    parts.append((shard.rows, plan))
+                    nbytes += n
+            return ShardedWrite(parts), nbytes
         reader = BucketReader(state_dict, versioned=False, session=session,
                               require_checksum=self.config.verify_checksums)
         plan, nbytes = FullStateWrite(), 0
@@ -445,7 +471,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             if pending is not None and pending.plan is not None:
                 pending.plan.check(target)
                 changed += pending.plan.write(target, journal, self.after_each_write)
-            if prepared is not None and prepared.decoded:
+            if prepared is not None and (prepared.decoded or prepared.parts):
                 changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
             return changed
         except BaseException as exc:

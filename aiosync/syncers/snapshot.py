@@ -151,6 +151,9 @@ class Snapshot:
         self._local = threading.local()
         self._writeback: list[Future] = []
         self.staged_event = None  # CUDA event marking staged results (W13), else None
+        self._scratch_lock = threading.Lock()
+        #: Bytes of the builder's scratch buffers (per worker thread, kept between builds).
+        self.scratch_bytes = 0
 
     # ----------------------------------------------------------------- state
     @property
@@ -238,7 +241,12 @@ class Snapshot:
                 np.empty(n, np_dtype),
                 np.empty(n, np_dtype),
             )
+            self._count_scratch(n * (dtype.itemsize + 8 + 2 * np.dtype(np_dtype).itemsize))
         return cache[key]
+
+    def _count_scratch(self, nbytes: int) -> None:
+        with self._scratch_lock:
+            self.scratch_bytes += nbytes
 
     def _chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
         from .kernels import diff_update
@@ -375,11 +383,13 @@ class Snapshot:
             # varint bytes of a chunk <= changes + (sum of gaps) / 128 + 9 <= n + n // 128 + 9
             cache[width] = (np.empty(n + n // 64 + 16, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8),
                             {})
+            self._count_scratch(n + n // 64 + 16 + n + width * n)
         gaps, nibs, exc, casts = cache[width]
         if src_np is None:  # torch casts this chunk into a scratch buffer first
             snap = self._snaps[slot]
             if snap.dtype not in casts:
                 casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
+                self._count_scratch(self.chunk_elems * snap.element_size())
             src, fused = self._source(flat[start:end], snap, casts[snap.dtype])
         else:
             src = src_np[start:end]
