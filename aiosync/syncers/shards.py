@@ -175,6 +175,12 @@ class ShardServer:
     send: SendFn
     boundary: Callable[[], int]
     senders: dict = field(default_factory=dict)
+    #: Patches built (one per version and lineage, however many explorers take it), and the
+    #: most bytes this rank held for syncs at once (snapshots and their builders' scratch).
+    builds: int = 0
+    peak_bytes: int = 0
+    #: Bytes of the snapshots alone (the shard's pieces, in the receivers' dtypes), last seen.
+    snapshot_nbytes: int = 0
 
     def hello(self) -> ShardHello:
         _, layout = shard_layout(self.live(), self.rank, self.names)
@@ -183,6 +189,10 @@ class ShardServer:
     @property
     def snapshot_bytes(self) -> int:
         return sum(s.snapshot.nbytes + s.snapshot.scratch_bytes for s in self.senders.values() if s.snapshot)
+
+    def _held(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.snapshot_bytes)
+        self.snapshot_nbytes = sum(s.snapshot.nbytes for s in self.senders.values() if s.snapshot)
 
     async def handle(self, cmd: Any) -> None:
         if isinstance(cmd, ShardDrop):
@@ -213,6 +223,7 @@ class ShardServer:
         self._drop(cmd.sender)
         await syncer.init_sender(tensors, [k for k in self.names if k in tensors], self.send, recv)
         self.senders[cmd.sender] = syncer
+        self._held()
         await self.send(ShardDone(cmd.sender, True, stats={"snapshot_bytes": self.snapshot_bytes}))
 
     async def _build(self, cmd: ShardBuild) -> None:
@@ -226,6 +237,8 @@ class ShardServer:
             await self.send(Shared(patch))  # encoded once, here; relayed as these bytes
 
         await syncer.sync(tensors, send, cmd.version)
+        self.builds += 1
+        self._held()
         st = syncer.statistics()
         await self.send(ShardDone(cmd.sender, True, stats={"changed": st.changed, "bytes": st.bytes,
                                                            "build_s": st.build_s, "encode_s": st.encode_s,
