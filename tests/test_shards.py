@@ -21,7 +21,8 @@ from aiosync.syncers import PatchWeightSyncer
 from aiosync.syncers.patch_handshake import receiver_metadata
 from aiosync.syncers.patch_receiver import receiver_shards
 from aiosync.syncers.payloads import ShardBuild, Stamped
-from aiosync.syncers.shards import ShardLink, ShardServer, ShardSet, shard_layout, shard_rows
+from aiosync.syncers.shard_layout import shard_layout, shard_rows
+from aiosync.syncers.shards import ShardLink, ShardServer, ShardSet
 from aiosync.transports.inproc import inproc_pair
 from helpers import HANG_GUARD, PATCH, same_bits
 
@@ -124,13 +125,14 @@ async def test_uneven_and_empty_shards_of_mixed_dtypes_reach_two_explorers_bit_e
         assert ex.version == 5 and holds(ex.slot.model, 5), ex.name
     m = sync.metrics()
     assert m["fanout"]["builds"] == 5  # one sharded patch per version, however many explorers
+    assert m["fanout"]["lineages_created"] == 1 and m["fanout"]["attached"] == 1  # e1 joined e0's: one snapshot
     rows = m["explorers"]
     assert rows["e0"]["reinits"] == rows["e1"]["reinits"] == 1
     assert rows["e0"]["shared"] + rows["e1"]["shared"] == 5  # each version: one line built, the other reused
     # every shard built on its own rank: a rank's pieces only, whatever the others hold
     for rank, peer in enumerate(t.peers, start=1):
-        # its shard's patch of each version, built once for both explorers (+ each explorer's first, empty one)
-        assert peer.server.builds == 5 + 2
+        # its shard's patch of each version, built once for both explorers (+ the first explorer's first one)
+        assert peer.server.builds == 5 + 1
         own = sum(p.tensor.numel() * (2 if p.tensor.is_floating_point() else p.tensor.element_size())
                   for p in pieces(full(0), rank).values())
         assert peer.server.snapshot_nbytes == own  # its own rows only, in the explorers' dtypes

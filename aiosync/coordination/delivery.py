@@ -39,6 +39,16 @@ from .sources import Published, Source, own_bytes
 log = logging.getLogger("aiosync.sync")
 
 
+def _replay(first: Any, recv: Callable[[], Any]) -> Callable[[], Any]:
+    """``recv`` that returns ``first`` once before it reads on."""
+    pending = [first]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await recv()
+
+    return replay
+
+
 @dataclass
 class Request:
     """A pending ask for the newest weights. ``seq`` orders requests; ``fresh_after`` (a publish
@@ -331,7 +341,9 @@ class DeliveryLine:
     async def _build(self, pub: Published) -> tuple[Packet, bool]:
         reinit = self.needs_reinit
         if reinit:
-            await self._bounded("bootstrapping", pub.version, self._init_sender, pub)
+            joined = await self._bounded("bootstrapping", pub.version, self._init_sender, pub)
+            if joined is not None:  # onto a fan-out lineage: its first packet, nothing built
+                return joined, True
         payloads: list = []
 
         async def collect(payload: Any) -> None:
@@ -347,8 +359,10 @@ class DeliveryLine:
             self.sender = None  # the fan-out's lineage owns it now
         return packet, reinit
 
-    async def _init_sender(self, pub: Published) -> None:
-        """(Re)bootstrap: a fresh sender syncer and the pair's init conversation."""
+    async def _init_sender(self, pub: Published) -> Packet | None:
+        """(Re)bootstrap: the pair's init conversation — onto the sender of a fan-out lineage
+        that serves this explorer's layout (no snapshot of its own; returns the explorer's first
+        packet), or with a fresh sender syncer (returns ``None``)."""
         if self.fanout is not None:
             self.fanout.leave(self)
         bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
@@ -363,8 +377,17 @@ class DeliveryLine:
         async def send(payload: Any) -> None:  # bootstrap buckets must own their bytes too
             await self.transport.send(own_bytes(payload, pub))
 
+        recv = self._recv_init
         try:
-            await sender.init_sender(pub.state, self.names, send, self._recv_init)
+            if self.fanout is not None and sender.accepts_receivers:
+                meta = await self._recv_init()
+                recv = _replay(meta, self._recv_init)
+                first = await self.fanout.attach(self, receiver_key(meta), meta, pub, send, sender)
+                if first is not None:
+                    sender.close()
+                    self.stats.reinits += 1
+                    return own_bytes(Packet(pub.version, [first]), pub)
+            await sender.init_sender(pub.state, self.names, send, recv)
         except BaseException as exc:
             with anyio.move_on_after(5, shield=True):
                 try:
@@ -374,6 +397,7 @@ class DeliveryLine:
             raise
         self.sender = sender
         self.stats.reinits += 1
+        return None
 
     async def _transfer(self, packet: Packet, reinit: bool, built: Built | None = None) -> str:
         # From here until the Ack, the sender's state (e.g. a patch snapshot) is ahead of the
@@ -393,6 +417,8 @@ class DeliveryLine:
             log.warning("aiosync: %s could not apply version %d: %s", self.name, packet.version, ack.error)
             return "failed"
         self.needs_reinit = False
+        if self.fanout is not None:
+            self.fanout.applied(self, self.applied_version)
         if reinit and self.stats.delivered:
             self.stats.repairs += 1
         self._count_delivery(packet, ack, built, elapsed)

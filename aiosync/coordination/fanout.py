@@ -14,6 +14,8 @@ it built (``history``).
 * A member that lags (its own delivery line coalesced a few versions away) gets the chain of
   cached packets from its version on, each applied atomically; a ``latest`` lineage (bucket
   mode) just sends its newest packet (buckets carry whole tensors).
+* Packets no member needs any more (every member holds their version: :meth:`FanOut.applied`)
+  are let go, so a lineage whose explorers keep up holds about one packet.
 * A member whose version the history no longer reaches, or whose delivery failed, must be
   re-bootstrapped (:meth:`FanOut.serve` returns ``None``); its re-bootstrap starts a new
   lineage (:meth:`FanOut.join`). Lineages of members holding the same version merge at the
@@ -156,6 +158,18 @@ class Lineage:
                 at = built.packet.version
         return out if at == self.version else None
 
+    def trim(self, floor: int) -> None:
+        """Let go of the packets every member holds already (versions up to ``floor``); a
+        ``latest`` lineage keeps its newest packet."""
+        keep = 1 if self.mode == "latest" else 0
+        while len(self.history) > keep and self.history[0].packet.version <= floor:
+            self.history.popleft()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the packets this lineage keeps."""
+        return sum(b.nbytes for b in self.history)
+
     def reaches(self, base: int | None) -> bool:
         """Whether a member at ``base`` can be served from this lineage (now or after a build)."""
         if self.dropped:
@@ -174,6 +188,7 @@ class FanOutStatistics:
     lineages: int
     lineages_created: int
     lineages_dropped: int
+    attached: int = 0
 
 
 @dataclass(eq=False)
@@ -186,7 +201,11 @@ class FanOut:
     shared: int = 0
     lineages_created: int = 0
     lineages_dropped: int = 0
+    #: Members that joined an existing lineage at a (re)bootstrap, instead of starting one.
+    attached: int = 0
     _member_of: dict = field(default_factory=dict)
+    #: The version each member holds, as last reported (:meth:`applied`).
+    _holds: dict = field(default_factory=dict)
     _next_id: int = 0
 
     def follows(self, member: Hashable) -> bool:
@@ -211,9 +230,26 @@ class FanOut:
         self.lineages_created += 1
         return True
 
+    def applied(self, member: Hashable, version: int | None) -> None:
+        """``member``'s explorer holds ``version`` now: packets every member of its lineage
+        holds are let go."""
+        lineage = self._member_of.get(member)
+        if lineage is None or version is None:
+            return
+        self._holds[member] = version
+        held = [self._holds.get(m) for m in lineage.members]
+        if all(v is not None for v in held):
+            lineage.trim(min(held))
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every packet the lineages keep."""
+        return sum(lin.held_bytes for lin in self.lineages)
+
     def leave(self, member: Hashable) -> None:
         """``member`` no longer follows its lineage (re-bootstrap, close); lineages nobody
         follows are dropped."""
+        self._holds.pop(member, None)
         lineage = self._member_of.pop(member, None)
         if lineage is None:
             return
@@ -240,6 +276,29 @@ class FanOut:
             old.members.discard(member)
             if not old.members:
                 self._drop(old)
+
+    async def attach(self, member: Hashable, key: Any, meta: Any, pub: Published, send: Any,
+                     like: WeightSyncer) -> Any | None:
+        """``member`` (re)bootstraps with receiver metadata ``meta``: put it onto the oldest
+        lineage of its layout (``key``) whose sender takes more receivers, at ``pub.version``
+        (built first if the lineage is behind it) — its hello and bootstrap are its own, every
+        later packet is shared, and no second snapshot is taken. ``like``: the sender the member
+        would have had (what its bootstrap holds). Returns its first payload, or ``None`` when no
+        lineage can take it (the member then uses ``like``)."""
+        candidates = [lin for lin in self.lineages if lin.key == key and lin.mode == "chain" and not lin.dropped
+                      and getattr(lin.sender, "accepts_receivers", False) and type(lin.sender) is type(like)]
+        if not candidates:
+            return None
+        lineage = min(candidates, key=lambda lin: lin.id)
+        async with lineage.lock:  # no build moves the lineage on while the member joins
+            if not lineage.dropped and pub.version > lineage.version:
+                await self._build(lineage, pub)
+            if lineage.dropped or pub.version != lineage.version:
+                return None
+            first = await lineage.sender.accept(pub.state, meta, send, like=like)
+        self._move(member, lineage)
+        self.attached += 1
+        return first
 
     async def serve(self, member: Hashable, base: int | None, pub: Published) -> Decision | None:
         """The packets taking ``member`` from its applied version ``base`` to ``pub.version`` (or
@@ -293,4 +352,4 @@ class FanOut:
 
     def statistics(self) -> FanOutStatistics:
         return FanOutStatistics(self.builds, self.shared, len(self.lineages), self.lineages_created,
-                                self.lineages_dropped)
+                                self.lineages_dropped, self.attached)

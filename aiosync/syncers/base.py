@@ -114,6 +114,11 @@ class WeightSyncer(ABC):
     #: object, encoded once, to every explorer at that version, with each explorer's session
     #: beside it. ``False``: each explorer gets its own copy of the payload (encoded per explorer).
     shares_payloads: ClassVar[bool] = False
+    #: ``True`` when a sender can take one more receiver of the same layout onto its chain at
+    #: its current version (``accept(state_dict, meta, send, like=<the sender it would have had>)``,
+    #: returning that receiver's first payload): a fan-out then keeps one sender, one snapshot,
+    #: per layout.
+    accepts_receivers: ClassVar[bool] = False
 
     #: ``True`` when ``apply`` swaps in a whole version at once, so it may run in the
     #: background while rollouts continue (``sync_weight_no_wait``). Bucket mode is not.

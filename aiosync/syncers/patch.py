@@ -45,8 +45,8 @@ from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
 from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
                               receiver_metadata, sender_layouts)
 from .patch_receiver import PreparedPatch, ReceiverState, ShardedWrite, prepare_patch, receiver_shards, write_patch
-from .payloads import ReceiverMetadata, SenderHello, WeightPatch
-from .shards import shard_views
+from .payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
+from .shard_layout import shard_views
 from .snapshot import FlatDiff, Snapshot
 from .staging import FullStateWrite, Journal, warm_up_kernels
 from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
@@ -85,6 +85,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     supports_staging = True
     fan_out_mode = "chain"
     shares_payloads = True
+    accepts_receivers = True
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`); ``None`` writes tensors in parallel.
     after_each_write: Callable[[int, int], None] | None = None
@@ -189,6 +190,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             await send(SenderHello(ok=False, error=str(exc), session=session if is_int(session) else None))
             raise
         self._session = meta.session
+        self._meta = meta
         ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
         await send(SenderHello(ok=True, init_sync=bool(boot), synced_ordinals=[ordinal[k] for k in slots],
                                session=meta.session))
@@ -204,6 +206,39 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._snapshot = snapshot
         self._last_version = None
         self._chain_broken = None
+
+    async def accept(self, state_dict: Mapping[str, torch.Tensor], meta: ReceiverMetadata, send: SendFn, *,
+                     like: "PatchWeightSyncer") -> EmptyWeightPatch:
+        """Take one more receiver onto this sender's chain, at the version its snapshot holds,
+        without a snapshot of its own (fan-out: one snapshot per receiver layout): the hello,
+        the bootstrap from ``state_dict`` (which must hold that version: the caller's), and the
+        receiver's first payload, an empty patch of that version, are its own; every later patch
+        is shared. ``meta`` must describe the same layout as the first receiver's
+        (:class:`HandshakeError` otherwise). ``like``: the sender this receiver would have had
+        of its own; its ``init_sync`` says what the bootstrap holds."""
+        first = getattr(self, "_meta", None)
+        if self._snapshot is None or first is None or self._last_version is None or self._chain_broken is not None:
+            raise PatchChainError("this sender has no built version to take a receiver at (call init_sender and sync "
+                                  "first)", expected_base=self._last_version, receiver_version=None)
+        try:
+            check_metadata(meta)
+            same = (list(meta.ordered_keys), [tuple(x) for x in meta.original_shapes], list(meta.dtypes), meta.aliases,
+                    list(meta.viewable))
+            if same != (list(first.ordered_keys), [tuple(x) for x in first.original_shapes], list(first.dtypes),
+                        first.aliases, list(first.viewable)):
+                raise HandshakeError("this receiver's model differs from the one the sender was set up for (keys, "
+                                     "shapes or dtypes); it needs a sender of its own")
+        except HandshakeError as exc:
+            await send(SenderHello(ok=False, error=str(exc), session=meta.session if is_int(meta.session) else None))
+            raise
+        init = like.config.init_sync
+        boot = match_prefixes(state_dict.keys(), init.prefixes) if init.enabled else []
+        ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
+        await send(SenderHello(ok=True, init_sync=bool(boot), synced_ordinals=[ordinal[k] for k in self._slot_keys],
+                               session=meta.session))
+        if boot:
+            await self._bootstrap(state_dict, boot, meta, send)
+        return EmptyWeightPatch(self._last_version, None, meta.session)
 
     async def _bootstrap(self, state_dict, keys: list[str], meta: ReceiverMetadata, send: SendFn) -> None:
         dtypes = {k: metadata_dtype(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}

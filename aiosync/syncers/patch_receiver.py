@@ -31,7 +31,7 @@ from .integrity import drift_hash, read_checksums, tensor_checksum
 from .patch_format import DecodedTensor, TensorLayout, decode_patch
 from .patch_handshake import is_int
 from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, Stamped, WeightPatch
-from .shards import shard_metadata, shard_views, tiling_problem
+from .shard_layout import shard_metadata, shard_views, tiling_problem
 from .snapshot import _np_bits, as_bits
 from .staging import Journal
 

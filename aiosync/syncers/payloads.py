@@ -206,6 +206,8 @@ class ShardInit:
     meta: ReceiverMetadata
     config: dict
     bootstrap: bool = False
+    #: take one more receiver onto the existing sender ``sender`` (``accept``: no new snapshot)
+    accept: bool = False
 
 
 @message

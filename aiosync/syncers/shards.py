@@ -7,9 +7,8 @@ on every rank and belongs to shard 0. Each rank keeps the snapshot of its own pi
 and encodes them itself: no rank materialises another rank's data, and sender memory and build
 time scale with a rank's shard, not with the model (docs/performance.md).
 
-A shard is a model of its own: its pieces on the sender (:func:`shard_layout`), the same rows
-of the receiver's tensors on the receiver (:func:`shard_views`), and the receiver metadata of
-those rows (:func:`shard_metadata`). So a shard's sender is an ordinary
+A shard is a model of its own (:mod:`.shard_layout`): its pieces on the sender, the same rows
+of the receiver's tensors on the receiver, and the receiver metadata of those rows. So a shard's sender is an ordinary
 :class:`~aiosync.syncers.patch.PatchWeightSyncer` over the rank's local pieces — its ordinals,
 positions, drift hashes and bootstrap buckets are those of the piece — and the receiver writes
 each shard through views of its full tensors.
@@ -41,110 +40,18 @@ from typing import Any
 import anyio
 import torch
 
-from ..checkpoints import local_pieces
-from ..dtypes import dtype_name
 from ..errors import ConfigError, HandshakeError, PatchChainError, PayloadError
 from ..messages import RecvFn, SendFn, Shared, payload_nbytes
 from .base import SyncStatistics, WeightSyncer, recv_with_timeout
 from .bucket_format import check_version
 from .patch_handshake import check_metadata, is_int
-from .payloads import (ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop, ShardedPatch, ShardHello,
-                       ShardInit)
+from .shard_layout import shard_layout, shard_metadata, shard_rows
+from .payloads import (EmptyWeightPatch, ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop, ShardedPatch,
+                       ShardHello, ShardInit)
 
 #: Scratch of a shard's builder, as a fraction of its elements (bounded to [64 Ki, 4 Mi] elements
 #: per chunk): sender memory stays about one shard snapshot.
-SCRATCH_FRACTION = 1 / 32
-
-
-# ----------------------------------------------------------------------------- layouts
-
-def shard_layout(state: Mapping[str, torch.Tensor], rank: int, names: list[str]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """The local pieces of ``names`` that shard ``rank`` holds, and their layout: ``{key:
-    [first row or None (the whole tensor), rows, full shape, dtype]}``. DTensors give their
-    local shard (one replica of a replicated one), :class:`~aiosync.checkpoints.TensorSlice`
-    its block, plain tensors count as replicated (shard 0 holds them); empty pieces are left
-    out, and so are keys a mapping of pieces does not hold. Only dim-0 pieces (FSDP2's
-    ``Shard(0)``) can be patched shard-locally."""
-    tensors, slices = local_pieces({k: state[k] for k in names if k in state}, rank)
-    layout = {}
-    for key, t in tensors.items():
-        t = t.detach()
-        tensors[key] = t
-        if key not in slices:
-            layout[key] = [None, None, list(t.shape), dtype_name(t.dtype)]
-            continue
-        offset, shape = slices[key]
-        if any(offset[1:]) or list(t.shape[1:]) != list(shape[1:]):
-            raise ConfigError(f"{key!r}: shard {rank} holds the block at {offset} of shape {tuple(t.shape)} of a "
-                              f"{tuple(shape)} tensor; shard-local patches need pieces of whole rows (dim 0, as "
-                              "FSDP2's fully_shard makes them)")
-        layout[key] = [offset[0], t.shape[0], list(shape), dtype_name(t.dtype)]
-    return tensors, layout
-
-
-def shard_rows(layouts: list[dict[str, list]]) -> list[dict[str, list | None]]:
-    """Per shard, ``{key: [first row, rows] or None (whole)}``, after checking that the shards'
-    pieces of every key tile it exactly (:class:`ConfigError` naming the key otherwise)."""
-    rows = [{k: None if p[0] is None else [p[0], p[1]] for k, p in lay.items()} for lay in layouts]
-    shapes: dict[str, tuple] = {}
-    for r, lay in enumerate(layouts):
-        for key, p in lay.items():
-            if shapes.setdefault(key, (tuple(p[2]), p[3])) != (tuple(p[2]), p[3]):
-                raise ConfigError(f"shards disagree on {key!r}: shard {r} has it as {tuple(p[2])} {p[3]}, another as "
-                                  f"{shapes[key][0]} {shapes[key][1]}")
-    problem = tiling_problem(rows, {k: s for k, (s, _) in shapes.items()})
-    if problem:
-        raise ConfigError(f"the trainer's shards do not fit together: {problem}")
-    return rows
-
-
-def tiling_problem(rows: list[dict], shapes: Mapping[str, tuple]) -> str | None:
-    """What is wrong with a shard table (``None``: every key is whole in one shard, or its
-    pieces cover its rows exactly once)."""
-    pieces: dict[str, list] = {}
-    for r, table in enumerate(rows):
-        if not isinstance(table, dict):
-            return f"shard {r}'s rows are not a mapping"
-        for key, span in table.items():
-            pieces.setdefault(key, []).append((r, span))
-    for key, spans in pieces.items():
-        if key not in shapes:
-            return f"{key!r} is not a tensor of the model"
-        shape = tuple(shapes[key])
-        if any(span is None for _, span in spans):
-            if len(spans) != 1:
-                return f"{key!r} is whole in one shard and also in another"
-            continue
-        if not shape:
-            return f"{key!r} is a scalar but is split into rows"
-        at = 0
-        for r, span in sorted(spans, key=lambda s: s[1][0] if isinstance(s[1], list) and s[1] else -1):
-            if not (isinstance(span, list) and len(span) == 2 and all(is_int(v) for v in span) and span[1] >= 1):
-                return f"shard {r} gives {key!r} the malformed rows {span!r}"
-            if span[0] != at:
-                return f"the rows of {key!r} are not covered exactly once (shard {r} starts at {span[0]}, not {at})"
-            at = span[0] + span[1]
-        if at != shape[0]:
-            return f"the shards cover {at} of the {shape[0]} rows of {key!r}"
-    return None
-
-
-def shard_metadata(meta: ReceiverMetadata, rows: Mapping[str, list | None]) -> ReceiverMetadata:
-    """The receiver metadata of one shard: the keys it holds, in the receiver's order, with
-    the shapes of its rows; tied keys stay tied when they are split the same way."""
-    idx = [i for i, k in enumerate(meta.ordered_keys) if k in rows]
-    keys = [meta.ordered_keys[i] for i in idx]
-    shapes = [tuple(meta.original_shapes[i]) if rows[k] is None else (rows[k][1], *meta.original_shapes[i][1:])
-              for i, k in zip(idx, keys)]
-    aliases = {a: b for a, b in meta.aliases.items() if a in rows and b in rows and rows[a] == rows[b]}
-    viewable = [meta.viewable[i] for i in idx] if meta.viewable else []
-    return ReceiverMetadata(keys, shapes, [meta.dtypes[i] for i in idx], aliases, viewable, meta.session)
-
-
-def shard_views(state: Mapping[str, torch.Tensor], rows: Mapping[str, list | None]) -> dict[str, torch.Tensor]:
-    """The receiver's tensors seen as one shard: views of its rows (no copy)."""
-    return {k: state[k] if span is None else state[k].narrow(0, span[0], span[1]) for k, span in rows.items()}
+SCRATCH_FRACTION = 1 / 64
 
 
 # ----------------------------------------------------------------------------- a shard rank
@@ -214,8 +121,16 @@ class ShardServer:
             await self.send(ShardDone(cmd.sender, False, _describe(exc)))
 
     async def _init(self, cmd: ShardInit) -> None:
-        syncer = _shard_syncer(cmd.config, cmd.bootstrap)
         tensors, _ = shard_layout(self.live(), self.rank, self.names)
+        if cmd.accept:  # one more receiver onto an existing sender: no new snapshot
+            syncer = self.senders.get(cmd.sender)
+            if syncer is None:
+                raise PatchChainError(f"shard rank {self.rank} has no sender {cmd.sender} to take a receiver onto",
+                                      expected_base=None, receiver_version=None)
+            await syncer.accept(tensors, cmd.meta, self.send, like=_shard_syncer(cmd.config, cmd.bootstrap))
+            await self.send(ShardDone(cmd.sender, True, stats={"snapshot_bytes": self.snapshot_bytes}))
+            return
+        syncer = _shard_syncer(cmd.config, cmd.bootstrap)
 
         async def recv() -> ReceiverMetadata:
             return cmd.meta
@@ -285,6 +200,16 @@ class ShardSet:
     boundary: Callable[[], int]
     timeout: float | None = 600.0
     rows: list = field(default_factory=list)
+    #: The senders alive (not closed); the most bytes this rank held for their shard 0 at once
+    #: (snapshots and builders' scratch); bytes of other ranks' payloads relayed (their patches,
+    #: their bootstrap buckets, one at a time).
+    senders: list = field(default_factory=list)
+    peak_bytes: int = 0
+    relayed_bytes: int = 0
+    #: The largest payload relayed at once (a bootstrap bucket: ``init_sync.bucket_size``), and
+    #: shard 0's patches built here (one per version and lineage).
+    relayed_peak: int = 0
+    builds: int = 0
     _next_id: int = 0
 
     def __post_init__(self) -> None:
@@ -301,7 +226,22 @@ class ShardSet:
 
     def make(self, bootstrap: bool) -> "ShardedPatchSender":
         self._next_id += 1
-        return ShardedPatchSender(self, self._next_id, bootstrap)
+        sender = ShardedPatchSender(self, self._next_id, bootstrap)
+        self.senders.append(sender)
+        return sender
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this rank holds for its shard now (every live sender's snapshot and scratch)."""
+        return sum(s.snapshot_bytes for s in self.senders)
+
+    def held(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def relayed(self, payload: Any) -> None:
+        n = payload_nbytes(payload)
+        self.relayed_bytes += n
+        self.relayed_peak = max(self.relayed_peak, n)
 
     async def command(self, link: ShardLink, cmd: Any) -> None:
         """Send ``cmd`` to ``link``'s rank (the caller holds ``link.lock``): first what an
@@ -329,6 +269,7 @@ class ShardedPatchSender(WeightSyncer):
     payloads_per_sync = 1
     fan_out_mode = "chain"
     shares_payloads = True
+    accepts_receivers = True
 
     def __init__(self, shards: ShardSet, sender_id: int, bootstrap: bool) -> None:
         super().__init__()
@@ -342,8 +283,26 @@ class ShardedPatchSender(WeightSyncer):
                           is_sender: bool = True) -> None:
         """The receiver's metadata in, every shard's handshake (run by its rank), one hello
         with the shard table out, then each shard's bootstrap, a bucket at a time."""
+        meta = await recv_with_timeout(recv, self.shards.timeout, "the receiver's metadata")
+        self.local = _shard_syncer(self.shards.config, self.bootstrap)
+        await self._handshake(meta, send, accept=False, bootstrap=self.bootstrap)
+        self._last_version, self._broken = None, None
+
+    async def accept(self, state_dict, meta: ReceiverMetadata, send: SendFn, *,
+                     like: "ShardedPatchSender") -> ShardedPatch:
+        """One more receiver onto this sender's chain at the version every shard holds (each
+        rank's sender takes it, no new snapshots); returns its first payload, a sharded patch
+        of empty shards. ``like``: the sender it would have had (its ``bootstrap``)."""
+        bootstrap = like.bootstrap
+        if self._broken is not None or self._last_version is None:
+            raise PatchChainError(f"this sharded sender cannot take a receiver now: {self._broken or 'nothing built'}",
+                                  expected_base=self._last_version, receiver_version=None)
+        await self._handshake(meta, send, accept=True, bootstrap=bootstrap)
+        empty = [Shared(EmptyWeightPatch(self._last_version, None, meta.session)) for _ in self.shards.rows]
+        return ShardedPatch(self._last_version, None, empty)
+
+    async def _handshake(self, meta: Any, send: SendFn, *, accept: bool, bootstrap: bool) -> None:
         s = self.shards
-        meta = await recv_with_timeout(recv, s.timeout, "the receiver's metadata")
         try:
             if not isinstance(meta, ReceiverMetadata):
                 raise HandshakeError(f"expected ReceiverMetadata from the receiver, got {type(meta).__name__}")
@@ -359,16 +318,15 @@ class ShardedPatchSender(WeightSyncer):
                 meta, "session", None)) else None))
             raise
         subs = [shard_metadata(meta, rows) for rows in s.rows]
-        self.local = _shard_syncer(s.config, self.bootstrap)
         local_tx, local_rx = anyio.create_memory_object_stream(0)
         readers = [_Reader(local_rx.receive, "shard 0")] + [
             _Reader(lambda link=link: s.reply(link, "answer"), f"shard rank {link.rank}", link) for link in s.links]
         try:
             async with _locks(s.links), _one_error(), anyio.create_task_group() as tg:
-                tg.start_soon(self._init_local, subs[0], local_tx)
-                for link, sub in zip(s.links, subs[1:]):
-                    await s.command(link, ShardInit(self.id, s.boundary(), sub, s.config, self.bootstrap))
-                    readers[s.links.index(link) + 1].started = True
+                tg.start_soon(self._local_handshake, subs[0], local_tx, accept, bootstrap)
+                for reader, sub in zip(readers[1:], subs[1:]):
+                    await s.command(reader.link, ShardInit(self.id, s.boundary(), sub, s.config, bootstrap, accept))
+                    reader.started = True
                 hellos = [await r.next() for r in readers]
                 refused = [f"{r.what}: {getattr(h, 'error', None) or type(h).__name__}"
                            for r, h in zip(readers, hellos) if not (isinstance(h, SenderHello) and h.ok)]
@@ -380,20 +338,23 @@ class ShardedPatchSender(WeightSyncer):
                 await send(SenderHello(ok=True, init_sync=any(h.init_sync for h in hellos), session=meta.session,
                                        shards=[{"rows": rows, "synced": list(h.synced_ordinals),
                                                 "init_sync": h.init_sync} for rows, h in zip(s.rows, hellos)]))
-                self.shard_stats = [await r.forward(send) for r in readers]
+                self.shard_stats = [await r.forward(send, s) for r in readers]
         finally:
             for r in readers:
                 r.abandon(self.id)
-        self._last_version, self._broken = None, None
+        s.held()
 
-    async def _init_local(self, sub: ReceiverMetadata, tx) -> None:
+    async def _local_handshake(self, sub: ReceiverMetadata, tx, accept: bool, bootstrap: bool) -> None:
         async def recv() -> ReceiverMetadata:
             return sub
 
         async with tx:
             try:
                 tensors = self.shards.local()
-                await self.local.init_sender(tensors, [k for k in self.shards.names if k in tensors], tx.send, recv)
+                if accept:
+                    await self.local.accept(tensors, sub, tx.send, like=_shard_syncer(self.shards.config, bootstrap))
+                else:
+                    await self.local.init_sender(tensors, [k for k in self.shards.names if k in tensors], tx.send, recv)
                 await tx.send(ShardDone(self.id, True, stats={"snapshot_bytes": self.snapshot_bytes}))
             except Exception as exc:
                 await tx.send(ShardDone(self.id, False, _describe(exc)))
@@ -432,6 +393,9 @@ class ShardedPatchSender(WeightSyncer):
                 r.abandon(self.id)
         base = self._last_version
         self._last_version = version
+        s.held()
+        for part in parts[1:]:
+            s.relayed(part)
         t1 = time.perf_counter()
         payload = ShardedPatch(version, base, parts)
         await send(payload)
@@ -448,6 +412,7 @@ class ShardedPatchSender(WeightSyncer):
             collected.append(patch)
 
         await self.local.sync(self.shards.local(), collect, version)
+        self.shards.builds += 1
         st = self.local.statistics()
         parts[0] = Shared(collected[0])
         stats[0] = {"changed": st.changed, "bytes": st.bytes, "build_s": st.build_s, "encode_s": st.encode_s,
@@ -473,6 +438,8 @@ class ShardedPatchSender(WeightSyncer):
             self.local.close()
         if self._broken != "closed":
             self._broken = "closed"
+            if self in self.shards.senders:
+                self.shards.senders.remove(self)
             for link in self.shards.links:
                 link.drops.append(self.id)
 
@@ -533,14 +500,16 @@ class _Reader:
             self.finished = True
         return msg
 
-    async def forward(self, send: SendFn) -> dict:
+    async def forward(self, send: SendFn, shards: ShardSet) -> dict:
         while True:
             msg = await self.next()
             if isinstance(msg, ShardDone):
                 if not msg.ok:
                     raise HandshakeError(f"{self.what} failed its handshake: {msg.error}")
                 return msg.stats
-            await send(msg)  # a bootstrap bucket, relayed as it came
+            await send(msg)  # a bootstrap bucket, relayed as it came, then let go
+            if self.link is not None:
+                shards.relayed(msg)
 
     async def drain(self, first: Any) -> None:
         msg = first
