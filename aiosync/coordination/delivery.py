@@ -165,6 +165,8 @@ class DeliveryLine:
     sender: WeightSyncer | None = None
     #: The receiver metadata of the last init conversation (the fan-out key; its ``session``).
     receiver_meta: Any = None
+    #: The transport under :attr:`transport` (a multicast round sends on it directly).
+    wire: Any = None
     _conv: int = field(default=0, repr=False)
     _phase: str = field(default="", repr=False)
     _deadline: float = field(default=0.0, repr=False)
@@ -405,7 +407,10 @@ class DeliveryLine:
         self.needs_reinit = True
         t0 = time.perf_counter()
         self._deadline = time.monotonic() + self.delivery_timeout  # the transfer's own bound
-        await self._bounded("sending", packet.version, self.transport.send, packet)
+        if built is not None and self.fanout is not None:  # perhaps in one round with other explorers
+            await self._bounded("sending", packet.version, self.fanout.send, self, built, packet)
+        else:
+            await self._bounded("sending", packet.version, self.transport.send, packet)
         ack = await self._bounded("waiting for the explorer's answer", packet.version, self._recv_ack,
                                   packet.version, self._conv if reinit else None)
         elapsed = time.perf_counter() - t0

@@ -21,6 +21,12 @@ it built (``history``).
   lineage (:meth:`FanOut.join`). Lineages of members holding the same version merge at the
   next build (the oldest wins); lineages nobody follows are dropped.
 
+* Members whose explorers live in other processes and take the same packet at the same time
+  (a version pushed to every explorer) get it in one *multicast round* (:meth:`FanOut.send`):
+  each its own header point to point, the shared bodies broadcast once over a process group of
+  the ranks involved (:mod:`aiosync.transports.distributed.multicast`); a member that does not
+  come within :data:`ROUND_WAIT`, or a round that fails, falls back to point to point.
+
 The fan-out keeps its own membership table and *returns* what it decided; it never changes a
 delivery line's fields. Sharing needs identical receivers: lineages are keyed by the receiver
 metadata an explorer sent in its init conversation. A syncer shares when its class declares
@@ -48,6 +54,9 @@ from .sources import Published, own_bytes
 
 #: Packets a chain lineage keeps for members that lag behind.
 DEFAULT_HISTORY = 8
+#: Seconds the first member of a multicast round waits for the others (they come at once when
+#: a version is pushed to every explorer; one that does not come is sent to point to point).
+ROUND_WAIT = 1.0
 
 
 def fan_out_mode(sender: WeightSyncer) -> str | None:
@@ -179,6 +188,27 @@ class Lineage:
         return base is not None and (base == self.version or self.chain_from(base) is not None)
 
 
+@dataclass(eq=False)
+class _Round:
+    """One multicast round in the making: the members expected, those that joined, the outcome."""
+
+    router: Any
+    expected: set
+    joined: dict = field(default_factory=dict)
+    complete: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    fired: bool = False
+    errors: dict = field(default_factory=dict)
+
+
+def _router(line: Any) -> Any:
+    """The multicast router of a line's wire, when the line can take part in a round now."""
+    mux = getattr(line.transport, "mux", None)
+    if line.closed or mux is None or mux.error is not None or mux.close_sent or mux.peer_closed.is_set():
+        return None
+    return getattr(getattr(line, "wire", None), "router", None)
+
+
 @dataclass(frozen=True)
 class FanOutStatistics:
     """Counters of a :class:`FanOut` (B6)."""
@@ -189,6 +219,9 @@ class FanOutStatistics:
     lineages_created: int
     lineages_dropped: int
     attached: int = 0
+    #: Deliveries sent in multicast rounds, and the rounds (one version to several processes).
+    multicast: int = 0
+    multicast_rounds: int = 0
 
 
 @dataclass(eq=False)
@@ -203,7 +236,10 @@ class FanOut:
     lineages_dropped: int = 0
     #: Members that joined an existing lineage at a (re)bootstrap, instead of starting one.
     attached: int = 0
+    multicast: int = 0
+    multicast_rounds: int = 0
     _member_of: dict = field(default_factory=dict)
+    _rounds: dict = field(default_factory=dict)
     #: The version each member holds, as last reported (:meth:`applied`).
     _holds: dict = field(default_factory=dict)
     _next_id: int = 0
@@ -329,6 +365,53 @@ class FanOut:
             self.shared += 1
         return Decision(chain, built_here)
 
+    async def send(self, line: Any, built: Built, packet: Packet) -> None:
+        """Send ``packet`` (``built``, restamped for ``line``) on ``line``'s wire: in one
+        multicast round with the other members of its lineage that take ``built`` now — at its
+        base and busy, their wires routed by the same multicast — or point to point."""
+        router = _router(line)
+        rnd = self._rounds.get(built)
+        if rnd is not None and (rnd.fired or line not in rnd.expected or rnd.router is not router):
+            rnd = None
+            router = None
+        leader = False
+        if router is not None and rnd is None:
+            lineage = self._member_of.get(line)
+            peers = set() if lineage is None else {
+                m for m in lineage.members if m is not line and m.busy and m.applied_version == built.base
+                and _router(m) is router}
+            if peers:
+                rnd = self._rounds[built] = _Round(router, {line, *peers})
+                leader = True
+        if rnd is None:
+            await line.transport.send(packet)
+            return
+        rnd.joined[line] = (line.wire, packet)
+        if len(rnd.joined) == len(rnd.expected):
+            rnd.complete.set()
+        if leader:
+            try:
+                with anyio.move_on_after(ROUND_WAIT):
+                    await rnd.complete.wait()
+                rnd.fired = True
+                self._rounds.pop(built, None)
+                members = list(rnd.joined.items())
+                errors = await rnd.router.send([wire_packet for _, wire_packet in members])
+                rnd.errors.update({m: e for (m, _), e in zip(members, errors)})
+                if len(members) > 1:
+                    self.multicast += len(members)
+                    self.multicast_rounds += 1
+            finally:
+                rnd.fired = True
+                self._rounds.pop(built, None)
+                rnd.done.set()
+        else:
+            await rnd.done.wait()
+        if line not in rnd.errors:  # the leader gave up before sending (cancelled): send it ourselves
+            await line.transport.send(packet)
+        elif rnd.errors[line] is not None:
+            raise rnd.errors[line]
+
     async def _build(self, lineage: Lineage, pub: Published) -> None:
         payloads: list = []
 
@@ -352,4 +435,4 @@ class FanOut:
 
     def statistics(self) -> FanOutStatistics:
         return FanOutStatistics(self.builds, self.shared, len(self.lineages), self.lineages_created,
-                                self.lineages_dropped, self.attached)
+                                self.lineages_dropped, self.attached, self.multicast, self.multicast_rounds)

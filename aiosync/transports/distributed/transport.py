@@ -117,6 +117,7 @@ class DistributedTransport(Transport):
     _incoming: _Incoming | None = field(default=None, repr=False)
     #: Receives bodies that do not come point to point (a multicast round: :mod:`.multicast`).
     router: Any = None
+    _unread: Any = field(default=None, repr=False)
     _ctrl_threaded: bool = field(default=True, repr=False)
     _data_threaded: bool = field(default=True, repr=False)
 
@@ -228,6 +229,9 @@ class DistributedTransport(Transport):
 
     async def _recv_frame(self) -> _Incoming:
         """Receive the next frame and its point-to-point detached bodies (resumable)."""
+        if self._unread is not None:
+            inc, self._unread = self._unread, None
+            return inc
         self._check()
         deadline = self._deadline()
         if self._incoming is None:
@@ -272,24 +276,41 @@ class DistributedTransport(Transport):
             await self._await(op, deadline, op.what)
         return inc
 
-    async def _finish(self, inc: _Incoming) -> Any:
-        """Decode a received frame (a routed one first gets its bodies, :attr:`router`)."""
+    async def _finish(self, inc: _Incoming, *, routed: bool = True) -> Any:
+        """Decode a received frame; a routed one (a multicast round) first gets its bodies
+        from :attr:`router`, a fallback of a round already complete is consumed here."""
         doc = inc.doc
+        self._incoming = None  # the frame's own bytes are in: the next receive reads the next message
+        self.stats.messages_received += 1
+        self.stats.bytes_received += inc.announced.nbytes
         if doc.get("route") is not None:
-            if self.router is None:
-                self._incoming = None
-                raise PayloadError(f"rank {self.peer} sent a message routed by {doc['route']!r}, but this end "
-                                   "has no router for it (make the multicast on this rank too)")
-            bodies = await self.router.receive(self, doc)
-            if bodies is None:  # a fallback of a round already complete: nothing for the caller
-                self._incoming = None
-                return _SKIP
-            inc.detached = bodies
+            if self.router is None or not routed:
+                raise PayloadError(f"rank {self.peer} sent a message routed by {doc['route']!r}, but this end has "
+                                   "no router for it here (transports of one WeightSyncGroup route multicasts)")
+            inc.detached = await self.router.receive(self, doc)
+        else:
+            self.stats.bytes_received += sum(b.numel() for b in inc.detached)
+        payload = decode_doc(doc, inc.host, inc.dev, externals=inc.detached)
+        if routed and self.router is not None and self.router.stale(payload):
+            return _SKIP
+        return payload
+
+    async def recv_direct(self, want: Any) -> Any:
+        """The next message if ``want(payload)`` holds (a multicast round's fallback, read while
+        its round is being received), else ``None``: then the message stays for the next
+        receive, and so does a routed one."""
+        inc = await self._recv_frame()
+        if inc.doc.get("route") is not None:
+            self._unread = inc
+            return None
+        payload = decode_doc(inc.doc, inc.host, inc.dev, externals=inc.detached)
+        if not want(payload):
+            self._unread = inc
+            return None
         self._incoming = None
         self.stats.messages_received += 1
-        self.stats.bytes_received += inc.announced.nbytes + sum(b.numel() for b in inc.detached
-                                                                if doc.get("route") is None)
-        return decode_doc(doc, inc.host, inc.dev, externals=inc.detached)
+        self.stats.bytes_received += inc.announced.nbytes + sum(b.numel() for b in inc.detached)
+        return payload
 
     def statistics(self) -> DistributedTransportStatistics:
         """A frozen snapshot of this end's counters."""
