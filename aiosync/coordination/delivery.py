@@ -32,7 +32,7 @@ from ..syncers.payloads import ReceiverMetadata
 from ..transports.base import Transport
 from .fanout import Built, FanOut, changed_elements, receiver_key, restamp
 from .metrics import RunningStat, Series
-from .protocol import Abort, Ack, Packet, Reinit
+from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import LatestSlot
 from .sources import Published, Source, own_bytes
 
@@ -407,12 +407,17 @@ class DeliveryLine:
         self.needs_reinit = True
         t0 = time.perf_counter()
         self._deadline = time.monotonic() + self.delivery_timeout  # the transfer's own bound
-        if built is not None and self.fanout is not None:  # perhaps in one round with other explorers
+        conv = self._conv if reinit else None
+        ack = None
+        if len(packet.payloads) > 1:  # streamed: a part at a time, as the explorer stages them
+            ack = await self._bounded("sending", packet.version, self._stream, packet, conv)
+        elif built is not None and self.fanout is not None:  # perhaps in one round with other explorers
             await self._bounded("sending", packet.version, self.fanout.send, self, built, packet)
         else:
             await self._bounded("sending", packet.version, self.transport.send, packet)
-        ack = await self._bounded("waiting for the explorer's answer", packet.version, self._recv_ack,
-                                  packet.version, self._conv if reinit else None)
+        if ack is None:
+            ack = await self._bounded("waiting for the explorer's answer", packet.version, self._recv_ack,
+                                      packet.version, conv)
         elapsed = time.perf_counter() - t0
         if ack.applied is not None:
             self.applied_version = ack.applied
@@ -446,6 +451,22 @@ class DeliveryLine:
         log.debug("aiosync: %s applied version %d (%d bytes, build %.2f ms, transfer %.2f ms, apply %.2f ms, "
                   "exclusive write %.2f ms)", self.name, ack.applied, nbytes, s.build_s.last * 1e3,
                   s.transfer_s.last * 1e3, ack.apply_s * 1e3, ack.write_s * 1e3)
+
+    async def _stream(self, packet: Packet, conv: int | None) -> Ack | None:
+        """Send ``packet`` streamed (:class:`Part` s, each after the explorer's :class:`Credit`
+        for the one before); returns the explorer's Ack if it answered before the last part
+        (it refused the delivery), else ``None``."""
+        await self.transport.send(Packet(packet.version, [], parts=len(packet.payloads)))
+        for i, payload in enumerate(packet.payloads):
+            if i:
+                while True:
+                    msg = await self.transport.recv()
+                    if isinstance(msg, Credit) and msg.version == packet.version and msg.index == i - 1:
+                        break
+                    if isinstance(msg, Ack) and msg.version == packet.version and msg.conv == conv:
+                        return msg  # refused half way: the rest is not sent
+            await self.transport.send(Part(packet.version, i, payload))
+        return None
 
     async def _recv_init(self) -> Any:
         """Receive for the syncer's init conversation, skipping late Acks."""

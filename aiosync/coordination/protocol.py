@@ -4,8 +4,9 @@ explorer, whether the explorer lives in the trainer's process or in another one.
 One wire (a :class:`~aiosync.transports.Transport`) carries two kinds of messages, split by
 :class:`aiosync.coordination.mux.Mux`:
 
-* the **delivery line** (:class:`Packet`, :class:`Reinit`, :class:`Abort`, :class:`Ack`, and
-  the syncers' own init conversation in between): one version's payloads, applied as a unit;
+* the **delivery line** (:class:`Packet`, :class:`Part`, :class:`Credit`, :class:`Reinit`,
+  :class:`Abort`, :class:`Ack`, and the syncers' own init conversation in between): one
+  version's payloads, applied as a unit;
 * **control** messages (subclasses of :class:`Control`): joining, requests, notices, liveness,
   leaving.
 
@@ -35,8 +36,9 @@ from dataclasses import dataclass
 
 from ..messages import message
 
-#: Version of this protocol; a Hello of another version is refused.
-PROTOCOL = 2
+#: Version of this protocol; a Hello of another version is refused. 3: streamed packets
+#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them.
+PROTOCOL = 3
 
 
 # ----------------------------------------------------------------------------- delivery line
@@ -44,10 +46,33 @@ PROTOCOL = 2
 @message
 @dataclass(eq=False)
 class Packet:
-    """All payloads of one sync of ``version``, applied as one unit."""
+    """All payloads of one sync of ``version``, applied as one unit. A *streamed* packet
+    (``parts``: how many) carries none itself: they follow one by one as :class:`Part` s, the
+    next only once the explorer's :class:`Credit` says it is done with the one before (so it
+    holds about one payload at a time); the version is still applied as one unit."""
 
     version: int
     payloads: list
+    parts: int | None = None
+
+
+@message
+@dataclass(eq=False)
+class Part:
+    """Payload ``index`` of streamed packet ``version``."""
+
+    version: int
+    index: int
+    payload: object
+
+
+@message
+@dataclass(eq=False)
+class Credit:
+    """Explorer → session: done with part ``index`` of packet ``version``: send the next."""
+
+    version: int
+    index: int
 
 
 @message

@@ -60,6 +60,10 @@ class SyncStatistics:
     write_s: float | None = None
     apply_s: float | None = None
     buckets: int | None = None
+    #: Receiver: the most bytes it held beyond the model at once while staging and writing —
+    #: received payloads it still referenced, the planned changes, the undo records — as the
+    #: receiver counts them (``None``: not counted).
+    peak_bytes: int | None = None
 
     @property
     def bytes_per_changed(self) -> float | None:

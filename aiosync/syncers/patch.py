@@ -48,7 +48,7 @@ from .patch_receiver import PreparedPatch, ReceiverState, ShardedWrite, prepare_
 from .payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
 from .snapshot import FlatDiff, Snapshot
-from .staging import FullStateWrite, Journal, warm_up_kernels
+from .staging import FullStateWrite, Journal, held_bytes, warm_up_kernels
 from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
@@ -463,17 +463,18 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                                   verify_checksums=self.config.verify_checksums)
         stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
         boot = pending.plan if pending is not None and pending.plan is not None else None
+        held = held_bytes([payload, prepared]) + (boot.nbytes if boot is not None else 0)
 
         async def write(model, rollback: bool = True) -> int:
             return await self._write_staged(model, prepared, rollback=rollback, generation=generation,
-                                            pending=pending, stage_s=stage_s)
+                                            pending=pending, stage_s=stage_s, held=held)
 
         return StagedWrite(prepared.version, write,
                            nbytes=prepared.nbytes + (pending.nbytes if pending is not None else 0),
                            changed=prepared.changed + (boot.changed if boot is not None else 0), stage_s=stage_s)
 
     async def _write_staged(self, model, prepared: PreparedPatch | None, *, rollback: bool, generation: int,
-                            pending: _PendingInit | None, stage_s: float | None = None) -> int | None:
+                            pending: _PendingInit | None, stage_s: float | None = None, held: int = 0) -> int | None:
         """Write a staged bootstrap and/or patch as one all-or-nothing step, then commit."""
         if generation != self._generation or pending is not self._pending:
             raise PatchChainError("this staged write was staged against an earlier state of the receiver (another "
@@ -485,7 +486,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         # Written and committed as one step: a cancellation arriving while the worker thread
         # writes (it cannot be interrupted) must not leave new weights under the old version.
         with anyio.CancelScope(shield=True):
-            changed = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
+            changed, undo = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
             if pending is not None:
                 self._rx, self._pending = pending.rx, None
             version = self.version = prepared.version if prepared is not None else None
@@ -494,21 +495,24 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
         nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, stage_s=stage_s,
-                                          write_s=write_s, apply_s=stage_s + write_s)
+                                          write_s=write_s, apply_s=stage_s + write_s, peak_bytes=held + undo)
         return version
 
     def _write_sync(self, target, rx: ReceiverState, pending: _PendingInit | None, prepared: PreparedPatch | None,
-                    rollback: bool) -> int:
-        """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure."""
+                    rollback: bool) -> tuple[int, int]:
+        """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure.
+        Returns the elements written and the bytes of old values kept meanwhile (the undo)."""
         journal = Journal() if rollback else None
         try:
-            changed = 0
+            changed, undo = 0, 0
             if pending is not None and pending.plan is not None:
                 pending.plan.check(target)
                 changed += pending.plan.write(target, journal, self.after_each_write)
+                undo += journal.nbytes if journal is not None else 0
             if prepared is not None and (prepared.decoded or prepared.parts):
                 changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
-            return changed
+                undo += _old_bytes(prepared, rx.layouts)
+            return changed, undo
         except BaseException as exc:
             if journal is not None:
                 journal.rollback()
@@ -517,3 +521,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             undone = "was rolled back" if journal is not None else "may have left part of it written (rollback=False)"
             raise ApplyError(f"writing the patch failed and {undone}: {exc}") from exc
 
+
+
+def _old_bytes(prepared: PreparedPatch, layouts: dict) -> int:
+    """Bytes of the old values a patch's write keeps (its undo): one element per change."""
+    own = sum(d.count * layouts[d.ordinal].elem_size for d in prepared.decoded if d.ordinal in layouts)
+    return own + sum(_old_bytes(part, lays) for _, part, lays in prepared.parts)

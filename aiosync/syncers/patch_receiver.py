@@ -371,6 +371,10 @@ class ShardedWrite:
     def changed(self) -> int:
         return sum(plan.changed for _, plan in self.parts)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(plan.nbytes for _, plan in self.parts)
+
     def check(self, target: Mapping[str, torch.Tensor]) -> None:
         for rows, plan in self.parts:
             plan.check(shard_views(target, rows))
