@@ -142,11 +142,12 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
     else:
         async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout) as peer:
             await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
-            builds0 = peer.server.builds
+            builds0, build_s0 = peer.server.builds, peer.server.build_s
             for step in range(1, args.steps + 1):
                 await anyio.to_thread.run_sync(train_step, step)
                 await peer.step_done()
             report["builds"] = peer.server.builds - builds0
+            report["build_s"] = (peer.server.build_s - build_s0) / args.steps
             report["held"] = peer.server.peak_bytes
     report["seconds"] = time.perf_counter() - t0
     report["gathered"] = gathered_bytes() - gathered0
@@ -165,7 +166,7 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
         explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(args.explorers)]
         await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
         shards = sync.shards
-        builds0 = shards.builds
+        builds0, build_s0 = shards.builds, shards.build_s
         async with anyio.create_task_group() as tg:
             for ex in explorers:
                 tg.start_soon(rollouts, ex)
@@ -174,26 +175,36 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
                 await trainer.step_done()
                 held = max(held, sync.fanout.held_bytes)
             await trainer.stop()
-        builds = shards.builds - builds0
+        builds, build_s = shards.builds - builds0, (shards.build_s - build_s0) / args.steps
     m = sync.metrics()
     print(json.dumps({"rank0": {"fanout": m["fanout"], "relayed_bytes": shards.relayed_bytes,
                                 "relayed_peak": shards.relayed_peak, "shard_peak_bytes": shards.peak_bytes,
                                 "fanout_held_peak": held,
                                 "explorers": {k: {f: r[f] for f in ("delivered", "reinits", "shared", "bytes_sent")}
                                               for k, r in m["explorers"].items()}}}), file=sys.stderr)
-    return {"builds": builds, "held": shards.peak_bytes + held + shards.relayed_peak,
+    return {"builds": builds, "build_s": build_s, "held": shards.peak_bytes + held + shards.relayed_peak,
             "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
 
 
 async def run_gathered(args, rank, fsdp_group, model, train_step, names, config, ws) -> dict:
     """The old way: every rank gathers the full state each step; rank 0 syncs the gathered copy."""
     live = gather_full_state(model, names)
+    full = sum(t.numel() * t.element_size() for t in live.values())  # the gathered copy every rank holds
+    gather_s = 0.0
+
+    def gather() -> dict:
+        nonlocal gather_s
+        t0 = time.perf_counter()
+        out = gather_full_state(model, names)
+        gather_s += time.perf_counter() - t0
+        return out
+
     if rank != 0:
         await anyio.to_thread.run_sync(dist.barrier, fsdp_group)
         for step in range(1, args.steps + 1):
             await anyio.to_thread.run_sync(train_step, step)
-            gather_full_state(model, names)
-        return {"builds": 0, "held": sum(t.numel() * t.element_size() for t in live.values())}
+            await anyio.to_thread.run_sync(gather)
+        return {"builds": 0, "build_s": gather_s / args.steps, "held": full}
     async with Synchronizer(config, ws) as sync:
         trainer = await sync.attach_trainer(live)
         explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(args.explorers)]
@@ -204,14 +215,18 @@ async def run_gathered(args, rank, fsdp_group, model, train_step, names, config,
                 tg.start_soon(rollouts, ex)
             for step in range(1, args.steps + 1):
                 await anyio.to_thread.run_sync(train_step, step)
-                live.update(await anyio.to_thread.run_sync(gather_full_state, model, names))
+                live.update(await anyio.to_thread.run_sync(gather))
                 await trainer.step_done()
             await trainer.stop()
         lineage = sync.fanout.lineages[0] if sync.fanout.lineages else None
         snap = 0 if lineage is None else lineage.sender.snapshot.nbytes + lineage.sender.snapshot.scratch_bytes
-        builds = (sync.fanout.builds - builds0)
-    held = snap + sum(t.numel() * t.element_size() for t in live.values())
-    return {"builds": builds, "held": held, "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
+        builds = sync.fanout.builds - builds0
+        rows = sync.metrics()["explorers"].values()
+        build_s = sum(r["build_s"]["total"] for r in rows) / max(1, builds)
+    # the copy published each version (MEMORY would copy it; NCCL reads the gathered tensors), the snapshot
+    held = snap + full + sync.fanout.held_bytes
+    return {"builds": builds, "build_s": gather_s / args.steps + build_s, "held": held,
+            "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
 
 
 def rollout_model(args) -> nn.Module:
@@ -278,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if group.rank == 0:
             result = summarize(args, reports, explorer_states)
             line = json.dumps(result)
+            print(json.dumps({"mode": args.mode, "build_s_per_version": [round(r["build_s"], 4) for r in reports],
+                              "held_per_rank": [int(r["held"]) for r in reports]}), file=sys.stderr)
             print(line)
             if args.json:
                 with open(args.json, "w") as f:

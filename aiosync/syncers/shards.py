@@ -85,6 +85,7 @@ class ShardServer:
     #: Patches built (one per version and lineage, however many explorers take it), and the
     #: most bytes this rank held for syncs at once (snapshots and their builders' scratch).
     builds: int = 0
+    build_s: float = 0.0
     peak_bytes: int = 0
     #: Bytes of the snapshots alone (the shard's pieces, in the receivers' dtypes), last seen.
     snapshot_nbytes: int = 0
@@ -155,6 +156,7 @@ class ShardServer:
         self.builds += 1
         self._held()
         st = syncer.statistics()
+        self.build_s += (st.build_s or 0.0) + (st.encode_s or 0.0)
         await self.send(ShardDone(cmd.sender, True, stats={"changed": st.changed, "bytes": st.bytes,
                                                            "build_s": st.build_s, "encode_s": st.encode_s,
                                                            "snapshot_bytes": self.snapshot_bytes}))
@@ -210,6 +212,7 @@ class ShardSet:
     #: shard 0's patches built here (one per version and lineage).
     relayed_peak: int = 0
     builds: int = 0
+    build_s: float = 0.0
     _next_id: int = 0
 
     def __post_init__(self) -> None:
@@ -414,6 +417,7 @@ class ShardedPatchSender(WeightSyncer):
         await self.local.sync(self.shards.local(), collect, version)
         self.shards.builds += 1
         st = self.local.statistics()
+        self.shards.build_s += (st.build_s or 0.0) + (st.encode_s or 0.0)
         parts[0] = Shared(collected[0])
         stats[0] = {"changed": st.changed, "bytes": st.bytes, "build_s": st.build_s, "encode_s": st.encode_s,
                     "snapshot_bytes": self.snapshot_bytes}

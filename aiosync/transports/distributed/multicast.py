@@ -142,8 +142,8 @@ class Multicast:
         """Send each ``(transport, payload)`` (distributed transports of this group, to distinct
         peers) as one round; returns per delivery ``None`` or the error it met. The payloads'
         shared parts must be the same objects (their bodies are broadcast once); when they are
-        not, or fewer than two peers take part, or their group failed before, each payload is
-        sent point to point as usual."""
+        not, or fewer than two peers take part, or the bodies are on a device, or their group
+        failed before, each payload is sent point to point as usual."""
         if len(deliveries) < 2:
             return [await _plain(t, p) for t, p in deliveries]
         me = dist.get_rank()
@@ -156,7 +156,8 @@ class Multicast:
             bodies = frames[0].detached
             same = all(len(f.detached) == len(bodies) and all(a is b for a, b in zip(f.detached, bodies))
                        for f in frames)
-            if not bodies or not same or not self.usable(ranks):
+            on_host = all(b.device.type == "cpu" for b in bodies)  # device bodies: point to point (NCCL)
+            if not bodies or not same or not on_host or not self.usable(ranks):
                 return [await _plain(t, p) for t, p in deliveries]
             self._next_round += 1
             self.stats["rounds"] += 1
