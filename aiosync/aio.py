@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Callable, Protocol, TypeVar
 
 import anyio
@@ -66,3 +68,13 @@ async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     thread, so state it mutates is never left half-written behind the caller's back.
     """
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+@contextlib.asynccontextmanager
+async def hold_all(locks: Iterable[Any]) -> AsyncIterator[None]:
+    """Hold every lock of ``locks``, taken in the order given and released in reverse: callers
+    that take the same locks always in the same order never wait on one another."""
+    async with contextlib.AsyncExitStack() as stack:
+        for lock in locks:
+            await stack.enter_async_context(lock)
+        yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from anyio import wait_all_tasks_blocked
 
 from aiosync.checkpoints import TensorSlice
 from aiosync.coordination import Synchronizer
@@ -20,7 +21,8 @@ from aiosync.messages import Shared, unshare
 from aiosync.syncers import PatchWeightSyncer
 from aiosync.syncers.patch_handshake import receiver_metadata
 from aiosync.syncers.patch_receiver import receiver_shards
-from aiosync.syncers.payloads import ShardBuild, Stamped
+from aiosync.coordination.protocol import ShardClose, ShardGo
+from aiosync.syncers.payloads import ShardBuild, ShardDone, ShardHello, Stamped
 from aiosync.syncers.shard_layout import shard_layout, shard_rows
 from aiosync.syncers.shards import ShardLink, ShardServer, ShardSet
 from aiosync.transports.inproc import inproc_pair
@@ -75,7 +77,7 @@ class Trainer:
         self.state = full(0)
         self.pairs = [inproc_pair(max_buffer_size=1, timeout=10) for _ in BOUNDS[1:]]
         self.peers = []
-        for rank, (to_rank0, peer_end) in enumerate(self.pairs, start=1):
+        for rank, (_, peer_end) in enumerate(self.pairs, start=1):
             if faulty is not None:
                 peer_end.send = _filtered(peer_end.send, faulty, rank)
             self.peers.append(ShardPeer(pieces(self.state, rank), peer_end, rank=rank, names=list(self.state),
@@ -215,6 +217,25 @@ async def test_a_shard_write_that_fails_rolls_back_every_shard():
 async def _serve(server: ShardServer, end) -> None:
     while True:
         await server.handle(await end.recv())
+
+
+async def test_a_command_for_a_step_a_rank_has_not_reached_waits_for_it():
+    to_rank0, peer_end = inproc_pair(timeout=10)
+    peer = ShardPeer(pieces(full(0), 1), peer_end, rank=1, names=list(full(0)), timeout=10)
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            async with peer:
+                assert isinstance(await to_rank0.recv(), ShardHello)
+                # rank 0 reached its check point of step 1 first: this rank still trains step 1
+                await to_rank0.send(ShardBuild(7, 1, 1))
+                await wait_all_tasks_blocked()
+                with pytest.raises(anyio.WouldBlock):
+                    to_rank0._rx.receive_nowait()  # not refused as out of step: it waits
+                tg.start_soon(peer.step_done)  # this rank reaches step 1: now the command runs
+                done = await to_rank0.recv()
+                assert isinstance(done, ShardDone) and not done.ok and "no sender 7" in done.error  # run, at step 1
+                await to_rank0.send(ShardGo(1))
+                await to_rank0.send(ShardClose())
 
 
 async def test_a_command_for_another_step_is_refused():

@@ -24,8 +24,8 @@ trainer with ``attach_trainer(model, shard_peers=[...])``; every other rank runs
 Syncs happen at the trainer's check points, as with the NCCL method (which a sharded trainer
 uses): rank 0 opens a window at ``step_done()``; every shard of the version is built from that
 step, each by its rank, in parallel; rank 0 says :class:`~.protocol.ShardGo` when its check
-point is over, and the ranks train on. A command is only carried out at the step it names, so
-no version ever mixes two steps. Before its first ``step_done()`` and after its last, a rank
+point is over, and the ranks train on. A command is only carried out at the step it names (one
+for a step a rank has not reached yet waits until it has), so no version ever mixes two steps. Before its first ``step_done()`` and after its last, a rank
 serves at any time: a synchronous trainer's weights cannot change while rank 0 is not training
 (explorers that join then are bootstrapped from the ranks' live shards).
 
@@ -122,6 +122,7 @@ class ShardPeer:
         self._check()
         self.step += 1
         self._serving.set()
+        self._notify()  # a command for this step that came early runs now
         with anyio.move_on_after(self.timeout):
             while self._go < self.step and not self.closed:
                 await self._changed.wait()
@@ -168,8 +169,16 @@ class ShardPeer:
                 self._notify()
                 return
             else:
+                await self._until_step(getattr(msg, "boundary", self.step))
                 await self._serving.wait()
                 await self.server.handle(msg)
+
+    async def _until_step(self, step: int) -> None:
+        """A command for a step this rank has not reached yet (rank 0 got there first) waits
+        until it does (at most ``timeout``: then the command is refused as out of step)."""
+        with anyio.move_on_after(self.timeout):
+            while self.step < step and not self.closed:
+                await self._changed.wait()
 
 
 @dataclass(eq=False)

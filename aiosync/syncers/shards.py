@@ -40,6 +40,7 @@ from typing import Any
 import anyio
 import torch
 
+from ..aio import hold_all
 from ..errors import ConfigError, HandshakeError, PatchChainError, PayloadError
 from ..messages import RecvFn, SendFn, Shared, payload_nbytes
 from .base import SyncStatistics, WeightSyncer, recv_with_timeout
@@ -325,7 +326,7 @@ class ShardedPatchSender(WeightSyncer):
         readers = [_Reader(local_rx.receive, "shard 0")] + [
             _Reader(lambda link=link: s.reply(link, "answer"), f"shard rank {link.rank}", link) for link in s.links]
         try:
-            async with _locks(s.links), _one_error(), anyio.create_task_group() as tg:
+            async with hold_all(link.lock for link in s.links), _one_error(), anyio.create_task_group() as tg:
                 tg.start_soon(self._local_handshake, subs[0], local_tx, accept, bootstrap)
                 for reader, sub in zip(readers[1:], subs[1:]):
                     await s.command(reader.link, ShardInit(self.id, s.boundary(), sub, s.config, bootstrap, accept))
@@ -381,7 +382,7 @@ class ShardedPatchSender(WeightSyncer):
         readers = [_Reader(lambda link=link: s.reply(link, "patch"), f"shard rank {link.rank}", link)
                    for link in s.links]
         try:
-            async with _locks(s.links), _one_error(), anyio.create_task_group() as tg:
+            async with hold_all(link.lock for link in s.links), _one_error(), anyio.create_task_group() as tg:
                 for link, reader in zip(s.links, readers):
                     await s.command(link, ShardBuild(self.id, s.boundary(), version))
                     reader.started = True
@@ -453,21 +454,6 @@ class ShardedPatchSender(WeightSyncer):
 
     async def apply(self, model, recv) -> int:
         raise NotImplementedError("a ShardedPatchSender only sends; its receiver is a PatchWeightSyncer")
-
-
-class _locks:
-    """Hold every link's lock, in order (so two conversations never wait on each other)."""
-
-    def __init__(self, links: list[ShardLink]) -> None:
-        self.links = links
-
-    async def __aenter__(self) -> None:
-        for link in self.links:
-            await link.lock.acquire()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        for link in reversed(self.links):
-            link.lock.release()
 
 
 class _one_error:

@@ -40,7 +40,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ...aio import run_sync
+from ...aio import hold_all, run_sync
 from ...errors import PayloadError, PeerTimeoutError, TransportError
 from ...messages import message
 from .ops import _Op
@@ -168,7 +168,7 @@ class Multicast:
         errors: list[BaseException | None] = [None] * len(deliveries)
         order = sorted(range(len(deliveries)), key=lambda i: deliveries[i][0].peer)
         deadline = time.monotonic() + self.timeout
-        async with _all_locks([deliveries[i][0] for i in order]):
+        async with hold_all(deliveries[i][0].send_lock for i in order):  # nothing else between header and bodies
             for i in order:
                 t = deliveries[i][0]
                 try:
@@ -271,19 +271,3 @@ async def _plain(transport: Any, payload: Any) -> BaseException | None:
         return None
     except Exception as exc:
         return exc
-
-
-class _all_locks:
-    """Hold the send locks of every member's transport (in rank order) for a whole round."""
-
-    def __init__(self, transports: list) -> None:
-        self.transports = transports
-
-    async def __aenter__(self) -> None:
-        for t in self.transports:
-            await t.send_lock.acquire()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        for t in reversed(self.transports):
-            t.send_lock.release()
-
