@@ -54,9 +54,10 @@ from .sources import Published, own_bytes
 
 #: Packets a chain lineage keeps for members that lag behind.
 DEFAULT_HISTORY = 8
-#: Seconds the first member of a multicast round waits for the others (they come at once when
-#: a version is pushed to every explorer; one that does not come is sent to point to point).
-ROUND_WAIT = 1.0
+#: Seconds the first member of a multicast round waits, at most, for the others (they come at
+#: once when a version is pushed to every explorer; one that leaves is no longer waited for; one
+#: that does not come by then is sent to point to point).
+ROUND_WAIT = 2.0
 
 
 def fan_out_mode(sender: WeightSyncer) -> str | None:
@@ -284,8 +285,13 @@ class FanOut:
 
     def leave(self, member: Hashable) -> None:
         """``member`` no longer follows its lineage (re-bootstrap, close); lineages nobody
-        follows are dropped."""
+        follows are dropped, and rounds waiting for it stop waiting."""
         self._holds.pop(member, None)
+        for rnd in self._rounds.values():
+            if member in rnd.expected and member not in rnd.joined:
+                rnd.expected.discard(member)
+                if len(rnd.joined) >= len(rnd.expected):
+                    rnd.complete.set()
         lineage = self._member_of.pop(member, None)
         if lineage is None:
             return
@@ -379,7 +385,7 @@ class FanOut:
             lineage = self._member_of.get(line)
             peers = set() if lineage is None else {
                 m for m in lineage.members if m is not line and m.busy and m.applied_version == built.base
-                and _router(m) is router}
+                and not m.needs_reinit and m not in m.source.waiting and _router(m) is router}
             if peers:
                 rnd = self._rounds[built] = _Round(router, {line, *peers})
                 leader = True

@@ -17,7 +17,8 @@ A round, from the sender::
 and from a member (:meth:`Multicast.receive`, called by its transport when a routed header
 arrives): make the group if it has none for these ranks, take part in the broadcasts, and —
 if they fail — wait for the fallback. Every wait is bounded by ``timeout`` (the groups get it
-as their gloo timeout too, so no broadcast waits longer); a group that failed once is never
+as their gloo timeout too, so no broadcast waits longer; a member waits twice that for a
+fallback, the sender's broadcast bound and the fallback's own); a group that failed once is never
 used again (gloo tears a group down when one of its waits fails), later rounds to those ranks go
 point to point. A member that is gone (its header cannot be sent) makes the round fall back at
 once; a member that never joins costs the others at most ``timeout``. A fallback that reaches a
@@ -240,7 +241,9 @@ class Multicast:
             return isinstance(p, MulticastFallback) and p.src == src and p.round == n
 
         payload = None
-        with anyio.move_on_after(self.timeout):
+        # The sender gives its broadcast up to ``timeout`` before it falls back (this member's
+        # own broadcast may have failed at once): wait for both.
+        with anyio.move_on_after(2 * self.timeout):
             payload = await transport.recv_direct(wanted)
         if payload is not None:
             self.stats["fallbacks"] += 1
