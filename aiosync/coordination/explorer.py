@@ -511,7 +511,7 @@ class Explorer:
             self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
             if self.mux.error is None:  # the session is closing (the final drain is done): nothing newer comes
                 return self.slot.version
-            raise TransportError(f"explorer {self.name}: could not reach the synchronizer ({self.mux.error})")
+            raise TransportError(f"explorer {self.name}: lost the synchronizer, could not reach it ({self.mux.error})")
         if blocking:
             with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
                 await event.wait()
