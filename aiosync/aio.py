@@ -16,8 +16,9 @@ import contextlib
 import functools
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -178,3 +179,13 @@ async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     The work runs under the caller's CUDA device and current streams (:class:`CudaContext`).
     """
     return await anyio.to_thread.run_sync(bind_cuda(functools.partial(fn, *args, **kwargs)))
+
+
+@contextlib.asynccontextmanager
+async def hold_all(locks: Iterable[Any]) -> AsyncIterator[None]:
+    """Hold every lock of ``locks``, taken in the order given and released in reverse: callers
+    that take the same locks always in the same order never wait on one another."""
+    async with contextlib.AsyncExitStack() as stack:
+        for lock in locks:
+            await stack.enter_async_context(lock)
+        yield

@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 
 from .dtypes import dtype_name
 from .errors import HandshakeError, PayloadError, VersionError
+from .pieces import TensorSlice, local_pieces
 
 __all__ = ["CheckpointDir", "TensorSlice", "check_tensors_fit"]
 
@@ -60,16 +61,6 @@ _MAX_VERSION = 2**63 - 1
 
 
 @dataclass(frozen=True)
-class TensorSlice:
-    """A piece of a larger tensor, for a writer that holds only part of it: ``tensor`` is the
-    block of the full tensor (of shape ``shape``) that starts at ``offset``."""
-
-    tensor: torch.Tensor
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class _Entry:
     """The file(s) of one published version: one file, or the shards of ``world`` writers."""
 
@@ -77,37 +68,6 @@ class _Entry:
     kind: str
     paths: tuple[Path, ...]
     world: int = 1
-
-
-def _local_pieces(state: Mapping[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """What writer ``rank`` stores of ``state``: tensors, and the slices among them (key →
-    ``[offset, full shape]``). A DTensor contributes its local shard (one replica only; an empty
-    shard nothing); a :class:`TensorSlice` itself; a plain tensor counts as replicated and is
-    written by writer 0 only."""
-    tensors: dict[str, torch.Tensor] = {}
-    slices: dict[str, list] = {}
-    for key, value in state.items():
-        if isinstance(value, TensorSlice):
-            piece, offset, shape = value.tensor, tuple(value.offset), tuple(value.shape)
-        elif hasattr(value, "to_local") and hasattr(value, "placements"):  # a DTensor (imported only if used)
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            coords = value.device_mesh.get_coordinate()
-            if coords is None or any(isinstance(p, Replicate) and c for p, c in zip(value.placements, coords)):
-                continue  # not in the mesh, or another replica writes it
-            piece = value.to_local()
-            _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            offset, shape = tuple(offset), tuple(value.shape)
-        else:
-            if rank == 0:
-                tensors[key] = value
-            continue
-        if piece.numel() == 0:
-            continue
-        tensors[key] = piece
-        slices[key] = [list(offset), list(shape)]
-    return tensors, slices
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
@@ -244,7 +204,7 @@ class CheckpointDir:
         if writer is None:
             tensors, meta = state, {}
         else:
-            tensors, slices = _local_pieces(state, writer[0])
+            tensors, slices = local_pieces(state, writer[0])
             meta = {"writer": f"{writer[0]}/{writer[1]}", "slices": json.dumps(slices)}
         tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
         meta |= {"version": str(version), "kind": "full" if keep else "sync"}

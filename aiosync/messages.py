@@ -12,6 +12,8 @@ Everything above imports this module; it imports nothing of aiosync but :mod:`ai
 * :func:`message_type` — resolve a registered name on the receiving side. aiosync's own
   message modules are imported on demand, so a process need not have imported them yet.
 * :func:`payload_nbytes` — the bytes a payload occupies on the wire.
+* :class:`Shared` — a part of many messages (one version sent to several explorers): a
+  serialising transport encodes it once and sends the same bytes to every peer.
 """
 
 from __future__ import annotations
@@ -78,6 +80,38 @@ def is_message(obj: Any) -> bool:
         _REGISTRY.get(type_name(type(obj))) is type(obj)
 
 
+class Shared:
+    """A part of many messages: the payload of one version sent to several peers.
+
+    A transport that serialises messages encodes :attr:`value` once, the first time it is sent,
+    and sends the same bytes to every peer (:mod:`aiosync.transports.distributed.wire`; the
+    Ray transport puts its large tensors into the object store once); an in-process transport
+    hands the ``Shared`` itself over by reference. What differs per receiver travels beside it,
+    in the message that holds it. On the receiving side it is a ``Shared`` again, holding the
+    decoded value. Never modify :attr:`value` once it was sent.
+
+    :attr:`encoded` belongs to the transports (their cached encodings, by transport and
+    device): a ``Shared`` received from one process and sent on to another goes out as the bytes
+    it came in as.
+    """
+
+    __slots__ = ("value", "encoded", "__weakref__")
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, Shared):
+            raise TypeError("a Shared cannot hold another Shared")
+        self.value = value
+        self.encoded: dict = {}
+
+    def __repr__(self) -> str:
+        return f"Shared({type(self.value).__name__})"
+
+
+def unshare(obj: Any) -> Any:
+    """The value of a :class:`Shared`, anything else as it is."""
+    return obj.value if isinstance(obj, Shared) else obj
+
+
 def payload_nbytes(obj: Any) -> int:
     """Bytes a payload occupies on the wire: tensor storage, ``bytes`` and nested containers.
 
@@ -92,6 +126,8 @@ def payload_nbytes(obj: Any) -> int:
         return len(obj.encode())
     if obj is None or isinstance(obj, (bool, int, float)):
         return 8
+    if isinstance(obj, Shared):
+        return payload_nbytes(obj.value)
     if isinstance(obj, dict):
         return sum(payload_nbytes(k) + payload_nbytes(v) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):

@@ -109,11 +109,13 @@ def genuine_buckets(checksums: bool = True) -> list:
     return anyio.run(run)
 
 
-def genuine_handshake():
-    """The messages of one genuine patch handshake with a bootstrap: metadata, answer, buckets."""
+def genuine_handshake(checksums: bool = False):
+    """The messages of one genuine patch handshake with a bootstrap: metadata, answer, buckets
+    (``checksums``: with ``verify_checksums``, so a tampered bucket is detectable)."""
 
     async def run():
-        kw = dict(encoding="flat", init_sync_enabled=True, init_sync_bucket_size=400, recv_timeout=5)
+        kw = dict(encoding="flat", init_sync_enabled=True, init_sync_bucket_size=400, recv_timeout=5,
+                  verify_checksums=checksums)
         s, r = PatchWeightSyncer(**kw), PatchWeightSyncer(**kw)
         a, b = inproc_pair(timeout=5)
         to_sender, to_receiver = [], []

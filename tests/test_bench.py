@@ -16,11 +16,12 @@ from aiosync.cli import bench
 from aiosync.cli.main import main
 
 SMALL = ["--elements", "300000", "--d-model", "64", "--vocab", "512", "--rounds", "2"]
+BUCKET = 256 << 10  # bytes: the small model (about 600 KB in bf16) streams in three buckets
 
 
 def test_bench_cli_small_run_writes_the_issue_schema(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", *SMALL, "--json", str(out)]) == 0
+    assert main(["bench", *SMALL, "--bucket-size", str(BUCKET), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert isinstance(report["elements"], int) and report["elements"] > 250_000
     assert isinstance(report["changed"], int) and 0 < report["changed"] < report["elements"]
@@ -52,6 +53,14 @@ def test_bench_cli_small_run_writes_the_issue_schema(tmp_path, capsys):
     assert modes["patch-seed"]["bytes_per_changed"] == pytest.approx(4.0, abs=0.2)
     assert modes["patch"]["bytes_per_changed"] < 1.5  # P1 (the ctx tables weigh on so small a model; 0.78 at full size)
     assert modes["bucket"]["bytes"] >= 2 * report["elements"]
+    # the receiver's peak beyond its model: bucket mode with load_instant holds about one bucket
+    # (and the changes planned), a patch receiver about its patch
+    assert report["bucket_size"] == BUCKET
+    for m in modes.values():
+        assert isinstance(m["receiver_peak_extra_bytes"], int) and m["receiver_peak_extra_bytes"] > 0, m["name"]
+        assert set(m["stages_s"]) == {"build_s", "encode_s", "send_s", "stage_s", "write_s"}
+    assert modes["bucket"]["receiver_peak_extra_bytes"] <= 2 * BUCKET
+    assert modes["patch"]["receiver_peak_extra_bytes"] < modes["bucket"]["receiver_peak_extra_bytes"]
     printed = capsys.readouterr().out
     assert "patch-seed" in printed and "bucket" in printed and "bit-exact" in printed and "read bandwidth" in printed
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer
 from aiosync.errors import AiosyncError, PeerTimeoutError
+from aiosync.syncers.integrity import bucket_checksum
 from aiosync.syncers.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
                                       WeightPatch)
 import hostile_cases as hc
@@ -287,8 +288,8 @@ def test_mutated_buckets_raise_library_errors_and_never_load_garbage(checksums, 
 # ------------------------------------------------------------------ handshake
 
 @functools.lru_cache(maxsize=None)
-def genuine_handshake():
-    return hc.genuine_handshake()
+def genuine_handshake(checksums: bool = False):
+    return hc.genuine_handshake(checksums)
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -322,7 +323,8 @@ def test_mutated_receiver_metadata_is_refused_by_the_sender_with_a_library_error
 @settings(max_examples=100, **SETTINGS)
 @given(data=st.data())
 def test_mutated_sender_answers_and_bootstraps_are_refused_without_writing_garbage(data):
-    _, to_receiver = genuine_handshake()
+    # with checksums: a value changed in transit is detected too (without them it cannot be)
+    _, to_receiver = genuine_handshake(checksums=True)
     hello, buckets = to_receiver[0], to_receiver[1:]
     assert isinstance(hello, SenderHello) and hello.ok and len(buckets) >= 2
     messages = [hello, *buckets]
@@ -331,7 +333,7 @@ def test_mutated_sender_answers_and_bootstraps_are_refused_without_writing_garba
         messages[0] = mutate_dataclass(data.draw, hello, n_max=2)
     if target in ("buckets", "both"):
         messages[1:] = mutate_buckets(data.draw, buckets)
-    r = PatchWeightSyncer(encoding="flat", init_sync_enabled=True, recv_timeout=1)
+    r = PatchWeightSyncer(encoding="flat", init_sync_enabled=True, recv_timeout=1, verify_checksums=True)
     dst0 = receiver_model()
     genuine = receiver_model(1)
     dst = {k: v.clone() for k, v in dst0.items()}
@@ -356,8 +358,11 @@ def test_mutated_sender_answers_and_bootstraps_are_refused_without_writing_garba
             tag = item.get("__aiosync__.session") if isinstance(item, dict) else None
             if (isinstance(tag, torch.Tensor) and tag.dtype == torch.int64 and tag.numel() == 1
                     and int(tag.reshape(-1)[0]) == hello.session):
+                intact = _checksum_holds(item)  # re-sealed for the new session only if nothing else changed
                 item = dict(item)
                 item["__aiosync__.session"] = torch.tensor(session["id"])
+                if intact:
+                    item["__aiosync__.checksum"] = torch.tensor(bucket_checksum(item, "__aiosync__.checksum"))
             first = False
             return item
 
@@ -372,6 +377,15 @@ def test_mutated_sender_answers_and_bootstraps_are_refused_without_writing_garba
         pass
     for k in dst:
         assert same(dst[k], dst0[k]) or same(dst[k], genuine[k]), k
+
+
+def _checksum_holds(bucket: dict) -> bool:
+    want = bucket.get("__aiosync__.checksum")
+    try:
+        return isinstance(want, torch.Tensor) and want.numel() == 1 and \
+            int(want.reshape(-1)[0]) == bucket_checksum(bucket, "__aiosync__.checksum")
+    except Exception:  # a mutated bucket that cannot even be checksummed
+        return False
 
 
 def test_the_genuine_handshake_still_works():

@@ -177,7 +177,7 @@ def test_malformed_headers_are_clear_payload_errors(tree, tensors, message):
     with pytest.raises(PayloadError, match="not valid JSON"):
         decode_message(b"\xff{")
     with pytest.raises(PayloadError, match="unknown layout"):
-        decode_message(json.dumps({"v": 2, "tensors": [], "tree": None}).encode())
+        decode_message(json.dumps({"v": 3, "tensors": [], "tree": None}).encode())
 
 
 async def test_a_payload_object_sent_again_reuses_its_frame():

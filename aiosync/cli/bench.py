@@ -9,7 +9,9 @@ Measured per mode, all in this run: payload bytes, changed elements, bytes per c
 element, patch build time, apply time (staging and writing) and write time (the part that
 holds the receiver's model exclusively, F3), end-to-end time (build, encode, transfer, decode,
 apply) over the in-process channel and over a simulated 1 Gbit/s link, and whether the
-receiver ended bit-exact. One ``clone()`` of the synced tensors into fresh memory (median of five; see
+receiver ended bit-exact, and the most bytes the receiver held beyond its model while staging
+and writing (``receiver_peak_extra_bytes``: the payloads it still referenced, the planned
+changes, the undo records; bucket mode streams a bucket at a time, ``--bucket-size``). One ``clone()`` of the synced tensors into fresh memory (median of five; see
 :func:`measure_clone`) is the yardstick for the time ratios. In-process times are the median of ``--rounds`` syncs (one
 optimizer step before each), after one untimed warm-up sync per mode.
 
@@ -170,13 +172,18 @@ MODES = {
 }
 
 
-def mode_config(name: str) -> dict[str, Any]:
+#: Bucket size of the bench's bucket mode: a fraction of the model, so that buckets stream.
+BENCH_BUCKET_SIZE = 64 << 20
+
+
+def mode_config(name: str, bucket_size: int = BENCH_BUCKET_SIZE) -> dict[str, Any]:
     cfg = MODES[name]
     if isinstance(cfg, str):
         cfg = load_config(cfg)
     cfg = json.loads(json.dumps(cfg))
     if cfg["type"] == "bucket":
         cfg["bucket"]["bucket_dtype"] = "bfloat16"  # the receiver is bf16: send what it holds
+        cfg["bucket"]["bucket_size"] = bucket_size
     return cfg
 
 
@@ -197,11 +204,13 @@ async def _one_sync(syncer_s: WeightSyncer, syncer_r: WeightSyncer, state, recei
     stats = {k: v or 0.0 for k, v in dataclasses.asdict(sent).items() if k.endswith("_s")}
     stats["apply_s"] = applied.apply_s or 0.0
     stats["write_s"] = applied.write_s or 0.0  # the receiver's exclusive section (F3)
+    stats["stage_s"] = applied.stage_s or 0.0
+    stats["peak_bytes"] = applied.peak_bytes or 0
     return time.perf_counter() - t0, sent.bytes, stats
 
 
 async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup: int, seed: int,
-                    modes: list[str], progress, rounds: int = 3) -> dict[str, Any]:
+                    modes: list[str], progress, rounds: int = 3, bucket_size: int = BENCH_BUCKET_SIZE) -> dict[str, Any]:
     """Measure every mode on the same updates; see the module docstring.
 
     In-process figures are the median of ``rounds`` syncs, each after one optimizer step and
@@ -226,7 +235,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     pairs = {}
     task = progress.add_task("init sync (bootstrap) per mode", total=len(modes))
     for name in modes:
-        cfg = mode_config(name)
+        cfg = mode_config(name, bucket_size)
         s, r = WeightSyncer.create(cfg), WeightSyncer.create(cfg)
         receiver = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in state.items()}
         link = SimulatedLink(None)
@@ -261,6 +270,8 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
                                    ("encode_s", stats["encode_s"]), ("apply_s", stats["apply_s"]),
                                    ("write_s", stats["write_s"])):
                     row.setdefault(key, []).append(value)
+                for key in ("send_s", "stage_s", "peak_bytes"):
+                    row.setdefault(key, []).append(stats.get(key) or 0)
                 if before is not None:
                     changed_total += await run_sync(count_changed, before, receiver)
                     counted = True
@@ -286,11 +297,13 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
             "apply_bandwidth_fraction": apply_bytes / times["apply_s"] / read_bw if times["apply_s"] else 0.0,
             "bit_exact": exact[name],
             "e2e_rounds_s": row["e2e_s"], "build_rounds_s": row["build_s"],
+            "receiver_peak_extra_bytes": max(row["peak_bytes"]),
+            "stages_s": {k: statistics.median(row[k]) for k in ("build_s", "encode_s", "send_s", "stage_s", "write_s")},
         })
     return {
         "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
         "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "read_bandwidth_gbs": read_bw / 1e9,
-        "rounds": rounds, "modes": result_modes,
+        "rounds": rounds, "modes": result_modes, "bucket_size": bucket_size,
     }
 
 
@@ -315,6 +328,9 @@ def print_table(report: dict[str, Any]) -> None:
     console = Console(width=max(Console().width, 190))
     console.print(table)
     by = {m["name"]: m for m in report["modes"]}
+    console.print("receiver's peak bytes beyond its model: " + ", ".join(
+        f"{m['name']} {m['receiver_peak_extra_bytes'] / 2**20:.1f} MiB" for m in report["modes"])
+        + f" (bucket_size {report['bucket_size'] / 2**20:.0f} MiB)")
     if "patch" in by and "bucket" in by:
         ratio = by["bucket"]["e2e_1gbit_s"] / by["patch"]["e2e_1gbit_s"]
         console.print(f"over 1 Gbit/s, patch is {ratio:.1f}x faster than bucket end to end; in-process, patch takes "
@@ -334,6 +350,8 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket,patch-flat,patch-ctx")
     p.add_argument("--rounds", type=int, default=3, help="timed in-process syncs per mode; medians are reported")
     p.add_argument("--quick", action="store_true", help="a small run (about 4 M elements)")
+    p.add_argument("--bucket-size", type=int, default=BENCH_BUCKET_SIZE,
+                   help=f"bucket mode's bucket_size in bytes (default {BENCH_BUCKET_SIZE})")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=run)
 
@@ -352,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         n, d_model, vocab = 4_000_000, 256, 4096
     with Progress(transient=True) as progress:
         report = asyncio.run(run_bench(n, d_model, vocab, args.lr, args.warmup, args.seed, modes, progress,
-                                       rounds=args.rounds))
+                                       rounds=args.rounds, bucket_size=args.bucket_size))
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

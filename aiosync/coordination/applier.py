@@ -33,7 +33,7 @@ from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.state_dicts import module_state_dict
 from ..transports.base import Transport
-from .protocol import Abort, Ack, Packet, Reinit
+from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import PolicySlot
 
 log = logging.getLogger("aiosync.sync")
@@ -205,6 +205,8 @@ class Applier:
     def _packet_recv(self, receiver: WeightSyncer, packet: Packet):
         """``(recv, check)``: ``recv`` hands the packet's payloads to the syncer one by one;
         ``check()`` raises if the syncer left some unused."""
+        if packet.parts is not None:
+            return self._stream_recv(packet)
         expected = getattr(receiver, "payloads_per_sync", None)
         if not isinstance(packet.payloads, list) or (expected is not None and len(packet.payloads) != expected):
             n = len(packet.payloads) if isinstance(packet.payloads, list) else "no list of"
@@ -227,6 +229,35 @@ class Applier:
             if used != len(packet.payloads):
                 raise PayloadError(f"sync packet of version {packet.version} has {len(packet.payloads) - used} "
                                    "unused payload(s)")
+
+        return recv, check
+
+    def _stream_recv(self, packet: Packet):
+        """:meth:`_packet_recv` of a streamed packet: each part is received when the syncer asks
+        for it, after a :class:`Credit` for the one before (it is done with it): about one part
+        is held at a time, and the sender sends no faster than the syncer stages."""
+        parts, used = packet.parts, 0
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+            raise PayloadError(f"streamed packet of version {packet.version} announces {parts!r} parts")
+
+        async def recv() -> Any:
+            nonlocal used
+            if used >= parts:
+                raise PayloadError(f"streamed packet of version {packet.version} is truncated: the syncer asked for "
+                                   f"part {used + 1} of {parts}")
+            if used:
+                await self.transport.send(Credit(packet.version, used - 1))
+            while True:
+                msg = await self._conversation_recv()  # a Reinit or Abort here ends the delivery
+                if isinstance(msg, Part) and msg.version == packet.version and msg.index == used:
+                    used += 1
+                    return msg.payload
+                log.debug("aiosync: %s skipped a stray %s while receiving a streamed packet", self.name,
+                          type(msg).__name__)
+
+        def check() -> None:
+            if used != parts:
+                raise PayloadError(f"streamed packet of version {packet.version} has {parts - used} unused part(s)")
 
         return recv, check
 

@@ -32,11 +32,21 @@ from ..syncers.payloads import ReceiverMetadata
 from ..transports.base import Transport
 from .fanout import Built, FanOut, changed_elements, receiver_key, restamp
 from .metrics import RunningStat, Series
-from .protocol import Abort, Ack, Packet, Reinit
+from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import LatestSlot
 from .sources import Published, Source, own_bytes
 
 log = logging.getLogger("aiosync.sync")
+
+
+def _replay(first: Any, recv: Callable[[], Any]) -> Callable[[], Any]:
+    """``recv`` that returns ``first`` once before it reads on."""
+    pending = [first]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await recv()
+
+    return replay
 
 
 @dataclass
@@ -155,6 +165,8 @@ class DeliveryLine:
     sender: WeightSyncer | None = None
     #: The receiver metadata of the last init conversation (the fan-out key; its ``session``).
     receiver_meta: Any = None
+    #: The transport under :attr:`transport` (a multicast round sends on it directly).
+    wire: Any = None
     _conv: int = field(default=0, repr=False)
     _phase: str = field(default="", repr=False)
     _deadline: float = field(default=0.0, repr=False)
@@ -331,7 +343,9 @@ class DeliveryLine:
     async def _build(self, pub: Published) -> tuple[Packet, bool]:
         reinit = self.needs_reinit
         if reinit:
-            await self._bounded("bootstrapping", pub.version, self._init_sender, pub)
+            joined = await self._bounded("bootstrapping", pub.version, self._init_sender, pub)
+            if joined is not None:  # onto a fan-out lineage: its first packet, nothing built
+                return joined, True
         payloads: list = []
 
         async def collect(payload: Any) -> None:
@@ -347,11 +361,15 @@ class DeliveryLine:
             self.sender = None  # the fan-out's lineage owns it now
         return packet, reinit
 
-    async def _init_sender(self, pub: Published) -> None:
-        """(Re)bootstrap: a fresh sender syncer and the pair's init conversation."""
+    async def _init_sender(self, pub: Published) -> Packet | None:
+        """(Re)bootstrap: the pair's init conversation — onto the sender of a fan-out lineage
+        that serves this explorer's layout (no snapshot of its own; returns the explorer's first
+        packet), or with a fresh sender syncer (returns ``None``)."""
         if self.fanout is not None:
             self.fanout.leave(self)
         bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
+        if self.sender is not None:
+            self.sender.close()
         sender = self.syncers.make(bootstrap)
         self.sender = None
         self._conv += 1
@@ -361,8 +379,17 @@ class DeliveryLine:
         async def send(payload: Any) -> None:  # bootstrap buckets must own their bytes too
             await self.transport.send(own_bytes(payload, pub))
 
+        recv = self._recv_init
         try:
-            await sender.init_sender(pub.state, self.names, send, self._recv_init)
+            if self.fanout is not None and sender.accepts_receivers:
+                meta = await self._recv_init()
+                recv = _replay(meta, self._recv_init)
+                first = await self.fanout.attach(self, receiver_key(meta), meta, pub, send, sender)
+                if first is not None:
+                    sender.close()
+                    self.stats.reinits += 1
+                    return own_bytes(Packet(pub.version, [first]), pub)
+            await sender.init_sender(pub.state, self.names, send, recv)
         except BaseException as exc:
             with anyio.move_on_after(5, shield=True):
                 try:
@@ -372,6 +399,7 @@ class DeliveryLine:
             raise
         self.sender = sender
         self.stats.reinits += 1
+        return None
 
     async def _transfer(self, packet: Packet, reinit: bool, built: Built | None = None) -> str:
         # From here until the Ack, the sender's state (e.g. a patch snapshot) is ahead of the
@@ -379,9 +407,17 @@ class DeliveryLine:
         self.needs_reinit = True
         t0 = time.perf_counter()
         self._deadline = time.monotonic() + self.delivery_timeout  # the transfer's own bound
-        await self._bounded("sending", packet.version, self.transport.send, packet)
-        ack = await self._bounded("waiting for the explorer's answer", packet.version, self._recv_ack,
-                                  packet.version, self._conv if reinit else None)
+        conv = self._conv if reinit else None
+        ack = None
+        if len(packet.payloads) > 1:  # streamed: a part at a time, as the explorer stages them
+            ack = await self._bounded("sending", packet.version, self._stream, packet, conv)
+        elif built is not None and self.fanout is not None:  # perhaps in one round with other explorers
+            await self._bounded("sending", packet.version, self.fanout.send, self, built, packet)
+        else:
+            await self._bounded("sending", packet.version, self.transport.send, packet)
+        if ack is None:
+            ack = await self._bounded("waiting for the explorer's answer", packet.version, self._recv_ack,
+                                      packet.version, conv)
         elapsed = time.perf_counter() - t0
         if ack.applied is not None:
             self.applied_version = ack.applied
@@ -391,6 +427,8 @@ class DeliveryLine:
             log.warning("aiosync: %s could not apply version %d: %s", self.name, packet.version, ack.error)
             return "failed"
         self.needs_reinit = False
+        if self.fanout is not None:
+            self.fanout.applied(self, self.applied_version)
         if reinit and self.stats.delivered:
             self.stats.repairs += 1
         self._count_delivery(packet, ack, built, elapsed)
@@ -413,6 +451,22 @@ class DeliveryLine:
         log.debug("aiosync: %s applied version %d (%d bytes, build %.2f ms, transfer %.2f ms, apply %.2f ms, "
                   "exclusive write %.2f ms)", self.name, ack.applied, nbytes, s.build_s.last * 1e3,
                   s.transfer_s.last * 1e3, ack.apply_s * 1e3, ack.write_s * 1e3)
+
+    async def _stream(self, packet: Packet, conv: int | None) -> Ack | None:
+        """Send ``packet`` streamed (:class:`Part` s, each after the explorer's :class:`Credit`
+        for the one before); returns the explorer's Ack if it answered before the last part
+        (it refused the delivery), else ``None``."""
+        await self.transport.send(Packet(packet.version, [], parts=len(packet.payloads)))
+        for i, payload in enumerate(packet.payloads):
+            if i:
+                while True:
+                    msg = await self.transport.recv()
+                    if isinstance(msg, Credit) and msg.version == packet.version and msg.index == i - 1:
+                        break
+                    if isinstance(msg, Ack) and msg.version == packet.version and msg.conv == conv:
+                        return msg  # refused half way: the rest is not sent
+            await self.transport.send(Part(packet.version, i, payload))
+        return None
 
     async def _recv_init(self) -> Any:
         """Receive for the syncer's init conversation, skipping late Acks."""

@@ -7,14 +7,25 @@ it built (``history``).
 
 * A member at the lineage's version gets the packet built for the next version; the first
   member to ask builds it (under the lineage's lock), the others reuse it — in process by
-  reference, across processes the encoded frame is reused too.
+  reference, across processes the same bytes: a syncer that ``shares_payloads`` gets its
+  payloads wrapped as :class:`~aiosync.messages.Shared` (encoded once, however many explorers
+  and processes take them) and each member's handshake session travels beside them
+  (:class:`~aiosync.syncers.payloads.Stamped`, :func:`restamp`).
 * A member that lags (its own delivery line coalesced a few versions away) gets the chain of
   cached packets from its version on, each applied atomically; a ``latest`` lineage (bucket
   mode) just sends its newest packet (buckets carry whole tensors).
+* Packets no member needs any more (every member holds their version: :meth:`FanOut.applied`)
+  are let go, so a lineage whose explorers keep up holds about one packet.
 * A member whose version the history no longer reaches, or whose delivery failed, must be
   re-bootstrapped (:meth:`FanOut.serve` returns ``None``); its re-bootstrap starts a new
   lineage (:meth:`FanOut.join`). Lineages of members holding the same version merge at the
   next build (the oldest wins); lineages nobody follows are dropped.
+
+* Members whose explorers live in other processes and take the same packet at the same time
+  (a version pushed to every explorer) get it in one *multicast round* (:meth:`FanOut.send`):
+  each its own header point to point, the shared bodies broadcast once over a process group of
+  the ranks involved (:mod:`aiosync.transports.distributed.multicast`); a member that does not
+  come within :data:`ROUND_WAIT`, or a round that fails, falls back to point to point.
 
 The fan-out keeps its own membership table and *returns* what it decided; it never changes a
 delivery line's fields. Sharing needs identical receivers: lineages are keyed by the receiver
@@ -35,13 +46,18 @@ from typing import Any, Hashable
 
 import anyio
 
-from ..messages import payload_nbytes
+from ..messages import Shared, payload_nbytes
 from ..syncers.base import WeightSyncer
+from ..syncers.payloads import ShardedPatch, Stamped
 from .protocol import Packet
 from .sources import Published, own_bytes
 
 #: Packets a chain lineage keeps for members that lag behind.
 DEFAULT_HISTORY = 8
+#: Seconds the first member of a multicast round waits, at most, for the others (they come at
+#: once when a version is pushed to every explorer; one that leaves is no longer waited for; one
+#: that does not come by then is sent to point to point).
+ROUND_WAIT = 2.0
 
 
 def fan_out_mode(sender: WeightSyncer) -> str | None:
@@ -71,19 +87,34 @@ def receiver_key(metadata: Any) -> str | None:
 
 
 def restamp(packet: Packet, session: int | None) -> Packet:
-    """``packet`` for a receiver whose handshake is ``session``: payloads that carry a
-    ``session`` field (patches) are shallow copies stamped with it, tensors shared. The same
-    packet object comes back when nothing changes (so its encoded frame is reused)."""
+    """``packet`` for a receiver whose handshake is ``session``. A shared payload that carries a
+    ``session`` (a patch), or a sharded patch, gets the receiver's stamp beside it
+    (:class:`Stamped`: the patch stays the one object every member shares, encoded once); another payload with a
+    ``session`` field becomes a shallow copy stamped with it (tensors shared, encoded again for
+    each receiver). The same packet object comes back when nothing changes (so its encoded frame
+    is reused)."""
     if session is None:
         return packet
     payloads, changed = [], False
     for p in packet.payloads:
-        if (dataclasses.is_dataclass(p) and not isinstance(p, type) and hasattr(p, "session")
+        if isinstance(p, ShardedPatch) or (isinstance(p, Shared) and getattr(p.value, "session", None) is not None):
+            p = Stamped(session, p)
+            changed = True
+        elif (dataclasses.is_dataclass(p) and not isinstance(p, type) and hasattr(p, "session")
                 and p.session is not None and p.session != session):
             p = dataclasses.replace(p, session=session)
             changed = True
         payloads.append(p)
     return dataclasses.replace(packet, payloads=payloads) if changed else packet
+
+
+def shared_packet(packet: Packet, sender: WeightSyncer) -> Packet:
+    """``packet`` with its payloads wrapped as :class:`Shared` when ``sender``'s receivers take
+    them so (``shares_payloads``); a sharded patch is made of shared parts already."""
+    if not getattr(sender, "shares_payloads", False):
+        return packet
+    return dataclasses.replace(packet, payloads=[p if isinstance(p, (Shared, ShardedPatch)) else Shared(p)
+                                                 for p in packet.payloads])
 
 
 @dataclass(eq=False)
@@ -98,7 +129,7 @@ class Built:
 
 
 @dataclass(frozen=True)
-class Shared:
+class Decision:
     """What :meth:`FanOut.serve` decided for a member: send ``chain`` in order (empty: the member
     is up to date); ``built_here``: this member built the newest packet."""
 
@@ -137,6 +168,18 @@ class Lineage:
                 at = built.packet.version
         return out if at == self.version else None
 
+    def trim(self, floor: int) -> None:
+        """Let go of the packets every member holds already (versions up to ``floor``); a
+        ``latest`` lineage keeps its newest packet."""
+        keep = 1 if self.mode == "latest" else 0
+        while len(self.history) > keep and self.history[0].packet.version <= floor:
+            self.history.popleft()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the packets this lineage keeps."""
+        return sum(b.nbytes for b in self.history)
+
     def reaches(self, base: int | None) -> bool:
         """Whether a member at ``base`` can be served from this lineage (now or after a build)."""
         if self.dropped:
@@ -144,6 +187,27 @@ class Lineage:
         if self.mode == "latest":
             return True
         return base is not None and (base == self.version or self.chain_from(base) is not None)
+
+
+@dataclass(eq=False)
+class _Round:
+    """One multicast round in the making: the members expected, those that joined, the outcome."""
+
+    router: Any
+    expected: set
+    joined: dict = field(default_factory=dict)
+    complete: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    fired: bool = False
+    errors: dict = field(default_factory=dict)
+
+
+def _router(line: Any) -> Any:
+    """The multicast router of a line's wire, when the line can take part in a round now."""
+    mux = getattr(line.transport, "mux", None)
+    if line.closed or mux is None or mux.error is not None or mux.close_sent or mux.peer_closed.is_set():
+        return None
+    return getattr(getattr(line, "wire", None), "router", None)
 
 
 @dataclass(frozen=True)
@@ -155,6 +219,10 @@ class FanOutStatistics:
     lineages: int
     lineages_created: int
     lineages_dropped: int
+    attached: int = 0
+    #: Deliveries sent in multicast rounds, and the rounds (one version to several processes).
+    multicast: int = 0
+    multicast_rounds: int = 0
 
 
 @dataclass(eq=False)
@@ -167,7 +235,14 @@ class FanOut:
     shared: int = 0
     lineages_created: int = 0
     lineages_dropped: int = 0
+    #: Members that joined an existing lineage at a (re)bootstrap, instead of starting one.
+    attached: int = 0
+    multicast: int = 0
+    multicast_rounds: int = 0
     _member_of: dict = field(default_factory=dict)
+    _rounds: dict = field(default_factory=dict)
+    #: The version each member holds, as last reported (:meth:`applied`).
+    _holds: dict = field(default_factory=dict)
     _next_id: int = 0
 
     def follows(self, member: Hashable) -> bool:
@@ -192,9 +267,31 @@ class FanOut:
         self.lineages_created += 1
         return True
 
+    def applied(self, member: Hashable, version: int | None) -> None:
+        """``member``'s explorer holds ``version`` now: packets every member of its lineage
+        holds are let go."""
+        lineage = self._member_of.get(member)
+        if lineage is None or version is None:
+            return
+        self._holds[member] = version
+        held = [self._holds.get(m) for m in lineage.members]
+        if all(v is not None for v in held):
+            lineage.trim(min(held))
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every packet the lineages keep."""
+        return sum(lin.held_bytes for lin in self.lineages)
+
     def leave(self, member: Hashable) -> None:
         """``member`` no longer follows its lineage (re-bootstrap, close); lineages nobody
-        follows are dropped."""
+        follows are dropped, and rounds waiting for it stop waiting."""
+        self._holds.pop(member, None)
+        for rnd in self._rounds.values():
+            if member in rnd.expected and member not in rnd.joined:
+                rnd.expected.discard(member)
+                if len(rnd.joined) >= len(rnd.expected):
+                    rnd.complete.set()
         lineage = self._member_of.pop(member, None)
         if lineage is None:
             return
@@ -206,6 +303,7 @@ class FanOut:
         if lineage.dropped:
             return
         lineage.dropped = True
+        lineage.sender.close()  # its snapshot (a sharded trainer: on every rank) is freed
         if lineage in self.lineages:
             self.lineages.remove(lineage)
         self.lineages_dropped += 1
@@ -221,7 +319,30 @@ class FanOut:
             if not old.members:
                 self._drop(old)
 
-    async def serve(self, member: Hashable, base: int | None, pub: Published) -> Shared | None:
+    async def attach(self, member: Hashable, key: Any, meta: Any, pub: Published, send: Any,
+                     like: WeightSyncer) -> Any | None:
+        """``member`` (re)bootstraps with receiver metadata ``meta``: put it onto the oldest
+        lineage of its layout (``key``) whose sender takes more receivers, at ``pub.version``
+        (built first if the lineage is behind it) — its hello and bootstrap are its own, every
+        later packet is shared, and no second snapshot is taken. ``like``: the sender the member
+        would have had (what its bootstrap holds). Returns its first payload, or ``None`` when no
+        lineage can take it (the member then uses ``like``)."""
+        candidates = [lin for lin in self.lineages if lin.key == key and lin.mode == "chain" and not lin.dropped
+                      and getattr(lin.sender, "accepts_receivers", False) and type(lin.sender) is type(like)]
+        if not candidates:
+            return None
+        lineage = min(candidates, key=lambda lin: lin.id)
+        async with lineage.lock:  # no build moves the lineage on while the member joins
+            if not lineage.dropped and pub.version > lineage.version:
+                await self._build(lineage, pub)
+            if lineage.dropped or pub.version != lineage.version:
+                return None
+            first = await lineage.sender.accept(pub.state, meta, send, like=like)
+        self._move(member, lineage)
+        self.attached += 1
+        return first
+
+    async def serve(self, member: Hashable, base: int | None, pub: Published) -> Decision | None:
         """The packets taking ``member`` from its applied version ``base`` to ``pub.version`` (or
         newer), building the next one if no member did yet; ``None`` when no lineage reaches
         ``base`` (the member must be re-bootstrapped, and has left its lineage).
@@ -248,7 +369,54 @@ class FanOut:
             return None
         if not built_here and chain:
             self.shared += 1
-        return Shared(chain, built_here)
+        return Decision(chain, built_here)
+
+    async def send(self, line: Any, built: Built, packet: Packet) -> None:
+        """Send ``packet`` (``built``, restamped for ``line``) on ``line``'s wire: in one
+        multicast round with the other members of its lineage that take ``built`` now — at its
+        base and busy, their wires routed by the same multicast — or point to point."""
+        router = _router(line)
+        rnd = self._rounds.get(built)
+        if rnd is not None and (rnd.fired or line not in rnd.expected or rnd.router is not router):
+            rnd = None
+            router = None
+        leader = False
+        if router is not None and rnd is None:
+            lineage = self._member_of.get(line)
+            peers = set() if lineage is None else {
+                m for m in lineage.members if m is not line and m.busy and m.applied_version == built.base
+                and not m.needs_reinit and m not in m.source.waiting and _router(m) is router}
+            if peers:
+                rnd = self._rounds[built] = _Round(router, {line, *peers})
+                leader = True
+        if rnd is None:
+            await line.transport.send(packet)
+            return
+        rnd.joined[line] = (line.wire, packet)
+        if len(rnd.joined) == len(rnd.expected):
+            rnd.complete.set()
+        if leader:
+            try:
+                with anyio.move_on_after(ROUND_WAIT):
+                    await rnd.complete.wait()
+                rnd.fired = True
+                self._rounds.pop(built, None)
+                members = list(rnd.joined.items())
+                errors = await rnd.router.send([wire_packet for _, wire_packet in members])
+                rnd.errors.update({m: e for (m, _), e in zip(members, errors)})
+                if len(members) > 1:
+                    self.multicast += len(members)
+                    self.multicast_rounds += 1
+            finally:
+                rnd.fired = True
+                self._rounds.pop(built, None)
+                rnd.done.set()
+        else:
+            await rnd.done.wait()
+        if line not in rnd.errors:  # the leader gave up before sending (cancelled): send it ourselves
+            await line.transport.send(packet)
+        elif rnd.errors[line] is not None:
+            raise rnd.errors[line]
 
     async def _build(self, lineage: Lineage, pub: Published) -> None:
         payloads: list = []
@@ -264,7 +432,7 @@ class FanOut:
             self._drop(lineage)
             raise
         build_s = time.perf_counter() - t0
-        packet = own_bytes(Packet(pub.version, payloads), pub)
+        packet = shared_packet(own_bytes(Packet(pub.version, payloads), pub), lineage.sender)
         lineage.history.append(Built(packet, lineage.version, payload_nbytes(payloads),
                                      changed_elements(lineage.sender), build_s))
         lineage.version = pub.version
@@ -273,4 +441,4 @@ class FanOut:
 
     def statistics(self) -> FanOutStatistics:
         return FanOutStatistics(self.builds, self.shared, len(self.lineages), self.lineages_created,
-                                self.lineages_dropped)
+                                self.lineages_dropped, self.attached, self.multicast, self.multicast_rounds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 
@@ -58,6 +58,11 @@ class Hub:
     source: Source
     fanout: FanOut | None = None
     trainer: TrainerView | None = None
+    #: How delivery lines make their senders (``None``: :attr:`syncers`); a sharded trainer's
+    #: sender builds every shard on its rank (:mod:`aiosync.coordination.shards`).
+    senders: SyncerFactory | None = None
+    #: The other ranks of a sharded trainer (told when each check point is over), or ``None``.
+    shard_peers: Any = None
     #: Attached explorer sessions by name (``Synchronizer.explorers``); lost ones stay, with their error.
     sessions: dict = field(default_factory=dict)
     #: Names of explorers whose first sync runs now.

@@ -4,8 +4,9 @@ explorer, whether the explorer lives in the trainer's process or in another one.
 One wire (a :class:`~aiosync.transports.Transport`) carries two kinds of messages, split by
 :class:`aiosync.coordination.mux.Mux`:
 
-* the **delivery line** (:class:`Packet`, :class:`Reinit`, :class:`Abort`, :class:`Ack`, and
-  the syncers' own init conversation in between): one version's payloads, applied as a unit;
+* the **delivery line** (:class:`Packet`, :class:`Part`, :class:`Credit`, :class:`Reinit`,
+  :class:`Abort`, :class:`Ack`, and the syncers' own init conversation in between): one
+  version's payloads, applied as a unit;
 * **control** messages (subclasses of :class:`Control`): joining, requests, notices, liveness,
   leaving.
 
@@ -38,8 +39,9 @@ from typing import Any
 from ..errors import PayloadError
 from ..messages import message
 
-#: Version of this protocol; a Hello of another version is refused.
-PROTOCOL = 2
+#: Version of this protocol; a Hello of another version is refused. 3: streamed packets
+#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them.
+PROTOCOL = 3
 
 _INT64 = 1 << 63
 #: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
@@ -83,10 +85,33 @@ def _fields(**kinds: str):
 @dataclass(eq=False)
 @_fields(version="v", payloads="l")
 class Packet:
-    """All payloads of one sync of ``version``, applied as one unit."""
+    """All payloads of one sync of ``version``, applied as one unit. A *streamed* packet
+    (``parts``: how many) carries none itself: they follow one by one as :class:`Part` s, the
+    next only once the explorer's :class:`Credit` says it is done with the one before (so it
+    holds about one payload at a time); the version is still applied as one unit."""
 
     version: int
     payloads: list
+    parts: int | None = None
+
+
+@message
+@dataclass(eq=False)
+class Part:
+    """Payload ``index`` of streamed packet ``version``."""
+
+    version: int
+    index: int
+    payload: object
+
+
+@message
+@dataclass(eq=False)
+class Credit:
+    """Explorer → session: done with part ``index`` of packet ``version``: send the next."""
+
+    version: int
+    index: int
 
 
 @message
@@ -255,4 +280,26 @@ class Close(Control):
     """Either way: the session ends; the receiver answers with its own Close and stops reading."""
 
     version: int | None = None
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------- shard ranks
+# Between the rank that runs the synchronizer and the other ranks of a sharded trainer
+# (:mod:`aiosync.coordination.shards`); the commands themselves are the syncers'
+# (:mod:`aiosync.syncers.shards`).
+
+@message
+@dataclass(eq=False)
+class ShardGo:
+    """The synchronizer's rank finished its check point of trainer step ``step``: a shard rank
+    waiting in ``step_done()`` trains on."""
+
+    step: int
+
+
+@message
+@dataclass(eq=False)
+class ShardClose:
+    """The synchronizer closed: a shard rank stops serving."""
+
     reason: str = ""

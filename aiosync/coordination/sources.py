@@ -38,6 +38,7 @@ import torch
 from ..aio import finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir, check_tensors_fit
 from ..errors import PeerTimeoutError, VersionError
+from ..syncers.state_dicts import is_dtensor
 
 
 @dataclass(eq=False)
@@ -360,8 +361,12 @@ def own_bytes(obj: Any, pub: Published) -> Any:
     their bytes already; this protects custom ones."""
     if not pub.live:
         return obj
-    live = {t.untyped_storage().data_ptr() for t in pub.state.values()
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel()}
+    live = set()
+    for t in pub.state.values():
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
+            local = t.to_local() if is_dtensor(t) else t  # a DTensor's bytes are its local shard's
+            if local.numel():
+                live.add(local.untyped_storage().data_ptr())
     return _own(obj, live, 0)
 
 

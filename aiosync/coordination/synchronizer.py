@@ -99,6 +99,8 @@ class Synchronizer:
         self.staleness = StalenessFilter(cfg.max_staleness, cfg.staleness_mode, cfg.staleness_decay)
         self.loop_lag = LoopLagMonitor(loop_lag_interval) if loop_lag_interval else None
         self.trainer: TrainerHandle | None = None
+        #: A sharded trainer's shards (:class:`~aiosync.syncers.shards.ShardSet`), or ``None``.
+        self.shards: Any = None
         #: The explorers' sessions by name, in-process and remote alike (lost ones stay, with their ``error``).
         self.explorers: dict[str, ExplorerSession] = self.hub.sessions
         self._transports: list[Transport] = []
@@ -140,6 +142,8 @@ class Synchronizer:
         finally:
             reason = "synchronizer closed" if exc_type is None else f"trainer failed: {exc!r}"
             await self._close_sessions(reason, timeout=min(self.config.sync_timeout, 30.0) if drained else 5.0)
+            if self.hub.shard_peers is not None:
+                await self.hub.shard_peers.close(reason)
             self._shutdown()
             await self._tg.__aexit__(None, None, None)
         if drain_error is not None:
@@ -176,14 +180,19 @@ class Synchronizer:
     # -- attaching -------------------------------------------------------------------------
 
     async def attach_trainer(self, model: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int = 0,
-                             param_names: Iterable[str] | None = None,
-                             writer_rank: int | None = None) -> TrainerHandle:
+                             param_names: Iterable[str] | None = None, writer_rank: int | None = None,
+                             shard_peers: Iterable[Transport] | None = None) -> TrainerHandle:
         """Register the trainer's model (or state dict) and publish its weights as ``version``.
 
         Synced keys default to trainable parameters and persistent buffers of a module (W5), or
         every key of a mapping. The trainer moves STOPPED → RUNNING. With ``checkpoint_writers``
         > 1, this process writes shard ``writer_rank`` of every version (default: its
         torch.distributed rank) and the other trainer ranks write theirs.
+
+        ``shard_peers``: this is rank 0 of a sharded (FSDP2) trainer and these are transports to
+        its other ranks, each running a :class:`~aiosync.coordination.shards.ShardPeer`: every
+        rank builds its own shard's patches (nothing is gathered); needs the NCCL method and a
+        patch syncer (``docs/distributed.md``).
         """
         self._require_started()
         if self.trainer is not None:
@@ -211,6 +220,8 @@ class Synchronizer:
             raise TypeError(f"attach_trainer takes an nn.Module or a mapping of tensors, got {type(model).__name__}")
         hub = self.hub
         handle = TrainerHandle(hub, live, names, version, StatusCell("trainer"), self.staleness)
+        if shard_peers is not None:
+            await self._attach_shards(handle, list(shard_peers))
         if self.config.method is SyncMethod.NCCL:
             window = hub.source.open(live(), version)
             await hub.source.close(window, self.config.delivery_timeout)
@@ -222,6 +233,33 @@ class Synchronizer:
         self.trainer = hub.trainer = handle
         hub.trainer_attached.set()
         return handle
+
+    async def _attach_shards(self, handle: TrainerHandle, transports: list[Transport]) -> None:
+        """Rank 0 of a sharded trainer: connect the other ranks, make every delivery line's
+        sender a sharded one."""
+        from ..syncers.factory import SyncerFactory
+        from ..syncers.shards import ShardSet
+        from .shards import ShardPeers
+
+        cfg, syncers = self.config, self.hub.syncers
+        if cfg.method is not SyncMethod.NCCL:
+            raise ConfigError(f"a sharded trainer (shard_peers) syncs at its check points on every rank: use "
+                              f"synchronizer.method: nccl (got {cfg.method.value}); MEMORY would copy every shard, "
+                              "CHECKPOINT has its own writers (checkpoint_writers)")
+        if syncers.config is None or syncers.config.type != "patch":
+            raise ConfigError("a sharded trainer (shard_peers) needs a patch weight_syncer config: every rank builds "
+                              "its shard's patches (bucket mode: gather the state with gather_full_state instead)")
+        if syncers.config.patch.encoding == "ctx":
+            raise ConfigError("a sharded trainer (shard_peers) sends flat or coo patches: set weight_syncer.patch."
+                              "encoding: flat (a ctx patch decodes against the receiver's own values, which the "
+                              "shards of a bootstrap staged with it have not written yet)")
+        peers = ShardPeers(transports, timeout=cfg.sync_timeout + cfg.delivery_timeout)
+        await peers.connect(handle.names)
+        shards = ShardSet(handle.live, handle.names, peers.links, syncers.to_dict(), lambda: handle.step,
+                          timeout=cfg.delivery_timeout)
+        self.hub.senders = SyncerFactory(shards.make, syncers.config, True, syncers.bootstrap_unless_declared)
+        self.hub.shard_peers = peers
+        self.shards = shards
 
     async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> Explorer:
         """Attach an explorer in this process: its rollout model (an ``nn.Module``, a dict of

@@ -249,10 +249,14 @@ class TrainerHandle:
         """Count one train step; sync if the schedule (or a waiting explorer) asks. Returns
         whether a sync happened."""
         self.step += 1
-        if self.need_sync():
-            await self.sync_weight()
-            return True
-        return False
+        try:
+            if self.need_sync():
+                await self.sync_weight()
+                return True
+            return False
+        finally:
+            if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
+                await self.hub.shard_peers.go(self.step)
 
     async def stop(self, *, publish_final: bool = True) -> None:
         """Stop the trainer (STOPPED). Explorers waiting on it return at once with what they have.

@@ -64,6 +64,10 @@ class SyncStatistics:
     write_s: float | None = None
     apply_s: float | None = None
     buckets: int | None = None
+    #: Receiver: the most bytes it held beyond the model at once while staging and writing —
+    #: received payloads it still referenced, the planned changes, the undo records — as the
+    #: receiver counts them (``None``: not counted).
+    peak_bytes: int | None = None
 
     @property
     def bytes_per_changed(self) -> float | None:
@@ -132,6 +136,16 @@ class WeightSyncer(ABC):
     #: sync carries the whole state: an explorer needs only the newest), ``None`` (one private
     #: sender per explorer).
     fan_out_mode: ClassVar[str | None] = None
+    #: ``True`` when the receiver takes a sync's payloads as :class:`aiosync.messages.Shared`
+    #: (and patches as :class:`~aiosync.syncers.payloads.Stamped`): a fan-out then sends one
+    #: object, encoded once, to every explorer at that version, with each explorer's session
+    #: beside it. ``False``: each explorer gets its own copy of the payload (encoded per explorer).
+    shares_payloads: ClassVar[bool] = False
+    #: ``True`` when a sender can take one more receiver of the same layout onto its chain at
+    #: its current version (``accept(state_dict, meta, send, like=<the sender it would have had>)``,
+    #: returning that receiver's first payload): a fan-out then keeps one sender, one snapshot,
+    #: per layout.
+    accepts_receivers: ClassVar[bool] = False
 
     #: ``True`` when ``apply`` swaps in a whole version at once, so it may run in the
     #: background while rollouts continue (``sync_weight_no_wait``). Bucket mode is not.
@@ -167,6 +181,9 @@ class WeightSyncer(ABC):
     def statistics(self) -> SyncStatistics:
         """What the last ``sync`` (sender) or ``apply`` / staged write (receiver) did."""
         return self._statistics
+
+    def close(self) -> None:
+        """Free what a sender keeps between syncs (a snapshot); the default does nothing."""
 
     def require_full_bootstrap(self) -> None:
         """Make this syncer's init conversation send the whole state (a repair must not trust

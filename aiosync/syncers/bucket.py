@@ -19,12 +19,12 @@ import torch
 from ..aio import resolve_device, run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
-from ..messages import RecvFn, SendFn, payload_nbytes
+from ..messages import RecvFn, SendFn, payload_nbytes, unshare
 from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .bucket_format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys,
                             check_version, iter_named_tensor_buckets, seal_bucket)
 from .config import BucketConfig
-from .staging import FullStateWrite, Journal, commit_write, warm_up_kernels
+from .staging import FullStateWrite, Journal, commit_write, held_bytes, warm_up_kernels
 from .state_dicts import module_state_dict, select_sync_names
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
@@ -41,6 +41,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
     supports_no_wait = False
     supports_staging = True
     fan_out_mode = "latest"
+    shares_payloads = True
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`).
     after_each_write: Callable[[int, int], None] | None = None
@@ -103,29 +104,41 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         buckets = list(iter_named_tensor_buckets(((k, state_dict[k]) for k in names), self.config.bucket_size, self._dtype))
         manifest = bucket_manifest(buckets or [[]], wire, self._dtype)
         checksum = self.config.verify_checksums
-        sent, build_s, send_s = 0, 0.0, 0.0
-        for i, bucket in enumerate(buckets):
-            def build(b=bucket, i=i):
-                tensors = {wire[k]: cast_for_bucket(t, self._dtype, self._device) for k, t in b}
-                if not self._is_sender:  # other FSDP ranks only take part in the gathers
-                    return None
-                return seal_bucket(tensors, index=i, count=len(buckets), version=version,
-                                   manifest=manifest if i == 0 else None, checksum=checksum)
+        timing = {"build_s": 0.0, "send_s": 0.0, "sent": 0}
 
-            t0 = time.perf_counter()
-            payload = await run_sync(build)
-            t1 = time.perf_counter()
-            build_s += t1 - t0
-            if payload is None:
-                continue
-            await send(payload)
-            send_s += time.perf_counter() - t1
-            sent += payload_nbytes(payload)
+        def build(i: int, bucket: list):
+            tensors = {wire[k]: cast_for_bucket(t, self._dtype, self._device) for k, t in bucket}
+            if not self._is_sender:  # other FSDP ranks only take part in the gathers
+                return None
+            return seal_bucket(tensors, index=i, count=len(buckets), version=version,
+                               manifest=manifest if i == 0 else None, checksum=checksum)
+
+        async def produce(tx) -> None:
+            async with tx:
+                for i, bucket in enumerate(buckets):
+                    t0 = time.perf_counter()
+                    payload = await run_sync(build, i, bucket)
+                    timing["build_s"] += time.perf_counter() - t0
+                    if payload is not None:
+                        await tx.send(payload)
+
+        # Pipelined: bucket i+1 is built while bucket i is on its way (and staged by the receiver).
+        tx, rx = anyio.create_memory_object_stream(0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce, tx)
+            async with rx:
+                async for payload in rx:
+                    t1 = time.perf_counter()
+                    await send(payload)
+                    timing["send_s"] += time.perf_counter() - t1
+                    timing["sent"] += payload_nbytes(payload)
+                    del payload
         if not buckets and self._is_sender:
             await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum))
         self._last_version = version
-        self._statistics = SyncStatistics(version=version, bytes=sent, elements=sum(state_dict[k].numel() for k in names),
-                                          build_s=build_s, send_s=send_s, buckets=len(buckets))
+        self._statistics = SyncStatistics(version=version, bytes=timing["sent"],
+                                          elements=sum(state_dict[k].numel() for k in names),
+                                          build_s=timing["build_s"], send_s=timing["send_s"], buckets=len(buckets))
 
     # -------------------------------------------------------------- receiver
     async def init_receiver(self, state_dict, recv, send=None) -> None:
@@ -154,22 +167,27 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         generation = self._generation
         await run_sync(warm_up_kernels, target.values())  # compiled (or loaded) off the event loop
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
-        plan, held, nbytes = FullStateWrite(), {}, 0
+        plan, held, nbytes, peak = FullStateWrite(), {}, 0, 0
         while not reader.done:
-            payload = await recv_with_timeout(recv, self.config.recv_timeout, "a weight bucket")
+            payload = unshare(await recv_with_timeout(recv, self.config.recv_timeout, "a weight bucket"))
             tensors = await run_sync(reader.read, payload)  # validates; writes nothing
             nbytes += payload_nbytes(tensors)
             if self.config.load_instant:
                 await run_sync(plan.add, target, tensors)
+                peak = max(peak, held_bytes(payload) + plan.nbytes)
             else:
                 held.update(tensors)
+                peak = max(peak, held_bytes(held))
+            del payload, tensors  # let go of the bucket before the next one comes (a stream holds one)
         if held:
             await run_sync(plan.add, target, held)
+            peak = max(peak, held_bytes(held) + plan.nbytes)
+            held = {}
         version, count, stage_s = reader.version, reader.count, time.perf_counter() - t0
 
         async def write(model, rollback: bool = True) -> int:
             return await self._write_staged(model, plan, version, rollback=rollback, generation=generation,
-                                            stats=(nbytes, count, stage_s))
+                                            stats=(nbytes, count, stage_s, peak))
 
         return StagedWrite(version, write, nbytes=nbytes, changed=plan.changed, stage_s=stage_s)
 
@@ -186,12 +204,14 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         with anyio.CancelScope(shield=True):  # a cancellation cannot split the write from its commit
             changed, journal = await run_sync(self._write_sync, target, plan, rollback)
             await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
+            undo = 0 if journal is None else journal.nbytes
             self.version = version
             self._generation += 1
         write_s = time.perf_counter() - t0
-        nbytes, count, stage_s = stats
+        nbytes, count, stage_s, peak = stats
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, buckets=count,
-                                          stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s)
+                                          stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s,
+                                          peak_bytes=max(peak, plan.nbytes + undo))
         return version
 
     def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite,

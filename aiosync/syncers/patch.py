@@ -44,10 +44,12 @@ from .integrity import checksum_tensor, new_session, tensor_checksum
 from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
 from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
                               receiver_metadata, sender_layouts)
-from .patch_receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch, write_patch
-from .payloads import ReceiverMetadata, SenderHello, WeightPatch
+from .patch_receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch,
+                             receiver_shards, write_patch)
+from .payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
+from .shard_layout import shard_views
 from .snapshot import FlatDiff, Snapshot
-from .staging import FullStateWrite, Journal, commit_write, warm_up_kernels
+from .staging import FullStateWrite, Journal, commit_write, held_bytes, warm_up_kernels
 from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
@@ -83,9 +85,14 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     payloads_per_sync = 1
     supports_staging = True
     fan_out_mode = "chain"
+    shares_payloads = True
+    accepts_receivers = True
     #: Fault injection: called as ``hook(i, n)`` after the ``i``-th of ``n`` tensors of a staged
     #: write was written (see :mod:`aiosync.syncers.faults`); ``None`` writes tensors in parallel.
     after_each_write: Callable[[int, int], None] | None = None
+    #: The builder's scratch per chunk as a fraction of the synced elements (``None``: the
+    #: default chunks); a shard sender sets it so its memory stays about its snapshot.
+    scratch_fraction: float | None = None
 
     def __init__(self, snapshot_device: str = _D.snapshot_device, transport_device: str | None = _D.transport_device,
                  delta_encoding: bool = _D.delta_encoding, compression: str = _D.compression,
@@ -185,6 +192,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             await send(SenderHello(ok=False, error=str(exc), session=session if is_int(session) else None))
             raise
         self._session = meta.session
+        self._meta = meta
         ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
         await send(SenderHello(ok=True, init_sync=bool(boot), synced_ordinals=[ordinal[k] for k in slots],
                                session=meta.session))
@@ -193,7 +201,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._slot_keys = slots
         self._layouts = sender_layouts(slots, meta, dtypes)
         self._elem_sizes = {lay.ordinal: lay.elem_size for lay in self._layouts}
-        snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel)
+        snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel, **self._chunking(state_dict, slots))
         await run_sync(self._take_snapshot, snapshot, state_dict, [dtypes[k] for k in slots])
         if self._snapshot is not None:
             self._snapshot.close()
@@ -205,6 +213,39 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts)
         self._last_version = None
         self._chain_broken = None
+
+    async def accept(self, state_dict: Mapping[str, torch.Tensor], meta: ReceiverMetadata, send: SendFn, *,
+                     like: "PatchWeightSyncer") -> EmptyWeightPatch:
+        """Take one more receiver onto this sender's chain, at the version its snapshot holds,
+        without a snapshot of its own (fan-out: one snapshot per receiver layout): the hello,
+        the bootstrap from ``state_dict`` (which must hold that version: the caller's), and the
+        receiver's first payload, an empty patch of that version, are its own; every later patch
+        is shared. ``meta`` must describe the same layout as the first receiver's
+        (:class:`HandshakeError` otherwise). ``like``: the sender this receiver would have had
+        of its own; its ``init_sync`` says what the bootstrap holds."""
+        first = getattr(self, "_meta", None)
+        if self._snapshot is None or first is None or self._last_version is None or self._chain_broken is not None:
+            raise PatchChainError("this sender has no built version to take a receiver at (call init_sender and sync "
+                                  "first)", expected_base=self._last_version, receiver_version=None)
+        try:
+            check_metadata(meta)
+            same = (list(meta.ordered_keys), [tuple(x) for x in meta.original_shapes], list(meta.dtypes), meta.aliases,
+                    list(meta.viewable))
+            if same != (list(first.ordered_keys), [tuple(x) for x in first.original_shapes], list(first.dtypes),
+                        first.aliases, list(first.viewable)):
+                raise HandshakeError("this receiver's model differs from the one the sender was set up for (keys, "
+                                     "shapes or dtypes); it needs a sender of its own")
+        except HandshakeError as exc:
+            await send(SenderHello(ok=False, error=str(exc), session=meta.session if is_int(meta.session) else None))
+            raise
+        init = like.config.init_sync
+        boot = match_prefixes(state_dict.keys(), init.prefixes) if init.enabled else []
+        ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
+        await send(SenderHello(ok=True, init_sync=bool(boot), synced_ordinals=[ordinal[k] for k in self._slot_keys],
+                               session=meta.session))
+        if boot:
+            await self._bootstrap(state_dict, boot, meta, send)
+        return EmptyWeightPatch(self._last_version, None, meta.session)
 
     async def _bootstrap(self, state_dict, keys: list[str], meta: ReceiverMetadata, send: SendFn) -> None:
         dtypes = {k: metadata_dtype(d) for k, d in zip(meta.ordered_keys, meta.dtypes)}
@@ -219,6 +260,18 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
 
         for i, bucket in enumerate(buckets):
             await send(await run_sync(build, i, bucket))
+
+    def _chunking(self, state_dict, slots: list[str]) -> dict:
+        if self.scratch_fraction is None:
+            return {}
+        total = sum(state_dict[k].numel() for k in slots)
+        return {"chunk_elems": min(1 << 22, max(1 << 16, int(total * self.scratch_fraction)))}
+
+    def close(self) -> None:
+        """Free the sender's snapshot (and its builder threads)."""
+        if self._snapshot is not None:
+            self._snapshot.close()
+            self._snapshot = None
 
     def _take_snapshot(self, snapshot: Snapshot, state_dict, dtypes: list[torch.dtype]) -> None:
         # Materialise every synced key in state-dict order, as ranks with is_sender=False do, so
@@ -370,17 +423,27 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
         session = meta.session if hello.session is not None else None
+        shards = () if hello.shards is None else receiver_shards(state_dict, meta, hello.shards, session)
         plan, nbytes = None, 0
         if hello.init_sync:
-            plan, nbytes = await self._receive_bootstrap(state_dict, recv, session)
-        rx = ReceiverState(meta.ordered_keys, receiver_layouts(state_dict, meta.ordered_keys, hello.synced_ordinals),
-                           session)
+            plan, nbytes = await self._receive_bootstrap(state_dict, recv, session, shards)
+        layouts = {} if shards else receiver_layouts(state_dict, meta.ordered_keys, hello.synced_ordinals)
+        rx = ReceiverState(meta.ordered_keys, layouts, session, shards)
         self._pending = _PendingInit(rx, plan, nbytes, time.perf_counter() - t0)
         self._generation += 1
 
-    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None):
-        # The first bucket's manifest is checked against the whole model before anything is
-        # planned; each bucket is validated, then planned (compared with the model) and dropped.
+    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None, shards: tuple = ()):
+        # The first bucket's manifest is checked against the whole model (a shard's: against
+        # that shard's rows) before anything is planned; each bucket is validated, then planned
+        # (compared with the model) and dropped. A sharded sender's shards come one after another.
+        if shards:
+            parts, nbytes = [], 0
+            for shard in shards:
+                if shard.init_sync:
+                    plan, n = await self._receive_bootstrap(shard_views(state_dict, shard.rows), recv, session)
+                    parts.append((shard.rows, plan))
+                    nbytes += n
+            return ShardedWrite(parts), nbytes
         reader = BucketReader(state_dict, versioned=False, session=session,
                               require_checksum=self.config.verify_checksums)
         plan, nbytes = FullStateWrite(), 0
@@ -424,17 +487,18 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                                   defer_ctx=pending is not None and pending.plan is not None)
         stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
         boot = pending.plan if pending is not None and pending.plan is not None else None
+        held = held_bytes([payload, prepared]) + (boot.nbytes if boot is not None else 0)
 
         async def write(model, rollback: bool = True) -> int:
             return await self._write_staged(model, prepared, rollback=rollback, generation=generation,
-                                            pending=pending, stage_s=stage_s)
+                                            pending=pending, stage_s=stage_s, held=held)
 
         return StagedWrite(prepared.version, write,
                            nbytes=prepared.nbytes + (pending.nbytes if pending is not None else 0),
                            changed=prepared.changed + (boot.changed if boot is not None else 0), stage_s=stage_s)
 
     async def _write_staged(self, model, prepared: PreparedPatch | None, *, rollback: bool, generation: int,
-                            pending: _PendingInit | None, stage_s: float | None = None) -> int | None:
+                            pending: _PendingInit | None, stage_s: float | None = None, held: int = 0) -> int | None:
         """Write a staged bootstrap and/or patch as one all-or-nothing step, then commit."""
         if generation != self._generation or pending is not self._pending:
             raise PatchChainError("this staged write was staged against an earlier state of the receiver (another "
@@ -446,7 +510,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         # Written and committed as one step: a cancellation arriving while the worker thread
         # writes (it cannot be interrupted) must not leave new weights under the old version.
         with anyio.CancelScope(shield=True):
-            changed, keys, journal = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
+            changed, keys, journal, undo = await run_sync(self._write_sync, target, rx, pending, prepared, rollback)
             new_version = prepared.version if prepared is not None else None
             await commit_write(model, keys, new_version, journal)  # an engine behind the model (CommitTarget)
             if pending is not None:
@@ -457,25 +521,28 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
         nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, stage_s=stage_s,
-                                          write_s=write_s, apply_s=stage_s + write_s)
+                                          write_s=write_s, apply_s=stage_s + write_s, peak_bytes=held + undo)
         return version
 
     def _write_sync(self, target, rx: ReceiverState, pending: _PendingInit | None, prepared: PreparedPatch | None,
-                    rollback: bool) -> tuple[int, list[str], Journal | None]:
+                    rollback: bool) -> tuple[int, list[str], Journal | None, int]:
         """The exclusive part (a worker thread): bootstrap, then patch; undone whole on failure.
-        Returns the elements and the keys written, and the journal that undoes them."""
+        Returns the elements and the keys written, the journal that undoes them, and the bytes of
+        old values kept meanwhile (the undo)."""
         journal = Journal() if rollback else None
         try:
-            changed, keys = 0, []
+            changed, keys, undo = 0, [], 0
             if pending is not None and pending.plan is not None:
                 pending.plan.check(target)
                 changed += pending.plan.write(target, journal, self.after_each_write)
                 keys += pending.plan.written_keys
-            if prepared is not None and (prepared.decoded or prepared.deferred is not None):
+                undo += journal.nbytes if journal is not None else 0
+            if prepared is not None and (prepared.decoded or prepared.deferred is not None or prepared.parts):
                 complete_patch(prepared, rx, target)
                 changed += write_patch(target, prepared, rx.layouts, journal, self.after_each_write)
-                keys += [k for d, k in zip(prepared.decoded, prepared.keys) if d.count]
-            return changed, list(dict.fromkeys(keys)), journal
+                keys += prepared.written_keys
+                undo += _old_bytes(prepared, rx.layouts)
+            return changed, list(dict.fromkeys(keys)), journal, undo
         except BaseException as exc:
             if journal is not None:
                 journal.rollback()
@@ -484,3 +551,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             undone = "was rolled back" if journal is not None else "may have left part of it written (rollback=False)"
             raise ApplyError(f"writing the patch failed and {undone}: {exc}") from exc
 
+
+
+def _old_bytes(prepared: PreparedPatch, layouts: dict) -> int:
+    """Bytes of the old values a patch's write keeps (its undo): one element per change."""
+    own = sum(d.count * layouts[d.ordinal].elem_size for d in prepared.decoded if d.ordinal in layouts)
+    return own + sum(_old_bytes(part, lays) for _, part, lays in prepared.parts)

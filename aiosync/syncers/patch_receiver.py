@@ -2,6 +2,11 @@
 outside the exclusive section (decompression and decoding included; the model is not
 touched), :func:`write_patch` writes it inside.
 
+A sharded sender's patch (:class:`~aiosync.syncers.payloads.ShardedPatch`, see
+:mod:`.shards`) is prepared shard by shard against views of the receiver's tensors on that
+shard's rows, and written in one pass over every shard with one undo record
+(:func:`prepare_patch` and :func:`write_patch` take both kinds).
+
 The write is the minimum: one pass over the changed positions that writes the new bits and
 keeps the old ones (the undo record, O(changed)) and their drift hash (``flat`` patches), then
 the optional checksums. A tensor that fails its drift check, or any other failure inside the
@@ -19,14 +24,15 @@ import torch
 
 from ..aio import finish_cuda_work
 from ..errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
-from ..messages import payload_nbytes
+from ..messages import payload_nbytes, unshare
 from .bucket_format import check_version
 from .codecs import decompress_patch
 from .indexing import as_coo_2d_view, coo_2d_shape
 from .integrity import drift_hash, read_checksums, tensor_checksum
 from .patch_format import DecodedTensor, TensorLayout, _check_header, _int_tensor, decode_patch
 from .patch_handshake import is_int
-from .payloads import CompressedWeightPatch, EmptyWeightPatch, WeightPatch
+from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, Stamped, WeightPatch
+from .shard_layout import shard_metadata, shard_views, tiling_problem
 from .snapshot import _np_bits, as_bits
 from .staging import Journal
 
@@ -34,13 +40,25 @@ _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
+class ShardRx:
+    """One shard of a sharded sender as this receiver holds it: its rows of each key, and
+    its own handshake state (keys in ordinal order, layouts of the ordinals it patches)."""
+
+    rows: dict
+    state: "ReceiverState"
+    init_sync: bool
+
+
+@dataclass(frozen=True)
 class ReceiverState:
     """What a patch receiver's handshake established: its keys (ordinal order), the layouts of
-    the ordinals patches touch, and the session (``None``: not checked)."""
+    the ordinals patches touch, and the session (``None``: not checked); with a sharded
+    sender, its ``shards`` (then patches are :class:`ShardedPatch` es)."""
 
     keys: list[str] = field(default_factory=list)
     layouts: dict[int, TensorLayout] = field(default_factory=dict)
     session: int | None = None
+    shards: tuple = ()
 
 
 @dataclass
@@ -57,10 +75,31 @@ class PreparedPatch:
     #: bootstrapped values inside the write (:func:`complete_patch`); ``decoded`` is empty until then
     deferred: WeightPatch | None = None
     deferred_changed: int = 0
+    #: A sharded patch: ``(rows, prepared shard, its layouts)`` per shard.
+    parts: list = field(default_factory=list)
 
     @property
     def changed(self) -> int:
-        return self.deferred_changed if self.deferred is not None else sum(d.count for d in self.decoded)
+        own = self.deferred_changed if self.deferred is not None else sum(d.count for d in self.decoded)
+        return own + sum(p.changed for _, p, _ in self.parts)
+
+    @property
+    def written_keys(self) -> list[str]:
+        """The keys this patch changes (its shards' included)."""
+        keys = [k for d, k in zip(self.decoded, self.keys) if d.count]
+        return keys + [k for _, p, _ in self.parts for k in p.written_keys]
+
+
+def unstamp(payload: Any, session: int | None) -> tuple[Any, int | None]:
+    """The patch inside a received payload, and the session its own field must still match:
+    a :class:`Stamped` payload is checked against ``session`` here (its patch is shared by
+    every receiver, so its own field is not looked at)."""
+    if not isinstance(payload, Stamped):
+        return unshare(payload), session
+    if session is not None and (not is_int(payload.session) or payload.session != session):
+        raise PayloadError(f"a patch stamped for another handshake (session {payload.session!r}) arrived: a stale "
+                           "or duplicated payload; refused, nothing was written")
+    return unshare(payload.payload), None
 
 
 def check_header(payload: Any, version_now: int | None, session: int | None) -> int:
@@ -87,7 +126,10 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
     """Validate ``payload`` whole against the receiver; nothing is written (``target`` is read
     for shapes and dtypes only). Everything malformed raises :class:`PayloadError` (or the
     subclass named), never another exception type."""
-    version = check_header(payload, version_now, state.session)
+    if state.shards:
+        return prepare_sharded(payload, state, version_now, target, verify_checksums=verify_checksums)
+    payload, session = unstamp(payload, state.session)
+    version = check_header(payload, version_now, session)
     nbytes = payload_nbytes(payload)
     if isinstance(payload, EmptyWeightPatch):
         return PreparedPatch(version, [], [], None, None, nbytes)
@@ -193,6 +235,9 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
     nothing of the patch stays written. On success the undo records go to ``journal`` (if any)
     for the caller's later steps.
     """
+    if prepared.parts:  # one shard after the other; what an earlier shard wrote is undone through `journal`
+        return sum(write_patch(shard_views(target, rows), part, lays, journal, after_each)
+                   for rows, part, lays in prepared.parts)
     jobs = []
     for d, key in zip(prepared.decoded, prepared.keys):
         t = check_target(target, key, layouts[d.ordinal])
@@ -308,3 +353,94 @@ def _prepare_torch(job: _Job) -> None:
         job.index = (r, pos - r * lay.cols)
     job.old = job.view[job.index]
     job.new = d.new_bits(job.old)
+
+
+# ----------------------------------------------------------------------------- sharded senders
+
+def receiver_shards(state_dict: Mapping[str, torch.Tensor], meta: ReceiverMetadata, table: Any,
+                    session: int | None) -> tuple[ShardRx, ...]:
+    """The shards of a sharded sender's hello, checked against this receiver (structure,
+    ordinals, and that every key's pieces cover its rows exactly once: a
+    :class:`~aiosync.errors.HandshakeError` otherwise)."""
+    from ..errors import HandshakeError
+    from .patch_handshake import receiver_layouts
+
+    if not isinstance(table, list) or not table:
+        raise HandshakeError("the sender's shard table is malformed: not a non-empty list")
+    for r, entry in enumerate(table):
+        if not (isinstance(entry, dict) and isinstance(entry.get("rows"), dict)
+                and isinstance(entry.get("init_sync"), bool) and isinstance(entry.get("synced"), list)):
+            raise HandshakeError(f"the sender's shard table is malformed at shard {r}")
+    shapes = dict(zip(meta.ordered_keys, (tuple(s) for s in meta.original_shapes)))
+    problem = tiling_problem([e["rows"] for e in table], shapes)
+    if problem:
+        raise HandshakeError(f"the sender's shards do not fit this receiver: {problem}")
+    out = []
+    for r, entry in enumerate(table):
+        sub = shard_metadata(meta, entry["rows"])
+        ords = entry["synced"]
+        if not all(is_int(o) and 0 <= o < len(sub.ordered_keys) for o in ords) or any(
+                b <= a for a, b in zip(ords, ords[1:])):
+            raise HandshakeError(f"the sender's shard {r} names synced ordinals outside [0, {len(sub.ordered_keys)}) "
+                                 "or out of order")
+        views = shard_views(state_dict, entry["rows"])
+        state = ReceiverState(sub.ordered_keys, receiver_layouts(views, sub.ordered_keys, ords), session)
+        out.append(ShardRx(dict(entry["rows"]), state, entry["init_sync"]))
+    return tuple(out)
+
+
+def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None, target: Mapping[str, torch.Tensor],
+                    *, verify_checksums: bool) -> PreparedPatch:
+    """:func:`prepare_patch` of a :class:`ShardedPatch`: every shard validated against views of
+    ``target`` on its rows. A stamped payload is checked against the session here (the shards'
+    own sessions are those of whoever the patch was first built for)."""
+    stamp = payload if isinstance(payload, Stamped) else None
+    inner = unshare(payload.payload if stamp is not None else payload)
+    if not isinstance(inner, ShardedPatch) or not isinstance(inner.shards, list):
+        raise PayloadError(f"expected a sharded patch (the sender has {len(state.shards)} shards), got "
+                           f"{type(inner).__name__}")
+    if stamp is not None and state.session is not None and stamp.session != state.session:
+        raise PayloadError(f"sharded patch {inner.version!r} is stamped for another handshake (a stale or duplicated "
+                           "payload); refused, nothing was written")
+    version = check_version(inner.version)
+    if len(inner.shards) != len(state.shards):
+        raise PayloadError(f"sharded patch {version} holds {len(inner.shards)} shards, the sender announced "
+                           f"{len(state.shards)}")
+    parts = []
+    for r, (shard, part) in enumerate(zip(state.shards, inner.shards)):
+        sub = shard.state if stamp is None else ReceiverState(shard.state.keys, shard.state.layouts, None)
+        prepared = prepare_patch(unshare(part), sub, version_now, shard_views(target, shard.rows),
+                                 verify_checksums=verify_checksums)
+        if prepared.version != version or getattr(unshare(part), "base_version", None) != inner.base_version:
+            raise PayloadError(f"shard {r} of sharded patch {version} is the patch of version {prepared.version}")
+        parts.append((shard.rows, prepared, shard.state.layouts))
+    return PreparedPatch(version, [], [], None, None, payload_nbytes(inner), parts=parts)
+
+
+@dataclass
+class ShardedWrite:
+    """A bootstrap of several shards into one model: ``parts`` are ``(rows, plan)`` pairs whose
+    :class:`~aiosync.syncers.staging.FullStateWrite` plans work on :func:`shard_views` of the
+    target; :meth:`check` / :meth:`write` as a FullStateWrite's."""
+
+    parts: list
+
+    @property
+    def changed(self) -> int:
+        return sum(plan.changed for _, plan in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(plan.nbytes for _, plan in self.parts)
+
+    @property
+    def written_keys(self) -> list[str]:
+        return list(dict.fromkeys(k for _, plan in self.parts for k in plan.written_keys))
+
+    def check(self, target: Mapping[str, torch.Tensor]) -> None:
+        for rows, plan in self.parts:
+            plan.check(shard_views(target, rows))
+
+    def write(self, target: Mapping[str, torch.Tensor], journal: Journal | None,
+              after_each: Callable[[int, int], None] | None = None) -> int:
+        return sum(plan.write(shard_views(target, rows), journal, after_each) for rows, plan in self.parts)

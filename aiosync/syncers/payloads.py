@@ -5,6 +5,10 @@ with :class:`SenderHello`; then the optional bootstrap buckets follow. Each sync
 :class:`WeightPatch`, :class:`CompressedWeightPatch` or :class:`EmptyWeightPatch`.
 Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket_format`).
 
+One version's patch goes to every explorer at its base version as the same object (a
+:class:`~aiosync.messages.Shared`, encoded once); what differs per explorer — the session of
+its handshake — travels beside it, in a :class:`Stamped`.
+
 Every class here is a registered message type (:func:`aiosync.messages.message`): a receiving
 process rebuilds them field by field, never by unpickling.
 """
@@ -12,6 +16,7 @@ process rebuilds them field by field, never by unpickling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +53,10 @@ class SenderHello:
     synced_ordinals: list[int] = field(default_factory=list)
     #: the receiver's :attr:`ReceiverMetadata.session`, echoed.
     session: int | None = None
+    #: a sharded sender (:mod:`aiosync.syncers.shards`): per shard, ``{"rows": {key: [first row,
+    #: rows] or None (the whole tensor)}, "synced": [ordinals of that shard's keys], "init_sync":
+    #: bool}``; its patches are :class:`ShardedPatch` es. ``None``: one sender.
+    shards: list | None = None
 
 
 @message
@@ -142,3 +151,91 @@ class CompressedWeightPatch:
         extra = [self.ordinals, self.nnz_per_tensor, self.gap_bytes, self.checksums, self.old_hashes]
         return (sum(b.numel() for b in self.blobs.values())
                 + sum(t.numel() * t.element_size() for t in extra if t is not None))
+
+
+@message
+@dataclass(eq=False)
+class Stamped:
+    """One receiver's stamp beside a payload that every receiver at that version shares:
+    ``session``, the handshake it belongs to (:attr:`ReceiverMetadata.session`). ``payload`` is
+    the same object for all of them (a :class:`~aiosync.messages.Shared` patch, encoded once);
+    the receiver checks the stamp instead of the patch's own ``session``."""
+
+    session: int
+    payload: Any
+
+
+@message
+@dataclass(eq=False)
+class ShardedPatch:
+    """One version from a sharded trainer: the patch of every shard, each built by the rank
+    that holds it against its own piece of the tensors (indices local to the piece), in the
+    order of :attr:`SenderHello.shards`; applied together, all-or-nothing."""
+
+    version: int
+    base_version: int | None
+    shards: list
+
+
+# ----------------------------------------------------------------------------- shard ranks
+# Between the rank that runs the synchronizer and the other ranks of a sharded trainer
+# (:mod:`aiosync.syncers.shards`).
+
+
+@message
+@dataclass(eq=False)
+class ShardHello:
+    """A shard rank's layout: per synced key, ``[first row or None (whole), rows, full shape,
+    dtype]`` of the piece it holds (keys whose piece is empty are left out)."""
+
+    rank: int
+    pieces: dict
+    names: list
+
+
+@message
+@dataclass(eq=False)
+class ShardInit:
+    """Start sender ``sender`` for the receiver whose metadata for this shard is ``meta``,
+    under the patch config ``config`` (``bootstrap``: send the whole shard); only at trainer
+    step ``boundary``. The rank answers with its ``SenderHello``, its bootstrap buckets, then
+    :class:`ShardDone`."""
+
+    sender: int
+    boundary: int
+    meta: ReceiverMetadata
+    config: dict
+    bootstrap: bool = False
+    #: take one more receiver onto the existing sender ``sender`` (``accept``: no new snapshot)
+    accept: bool = False
+
+
+@message
+@dataclass(eq=False)
+class ShardBuild:
+    """Build sender ``sender``'s patch of ``version`` now (trainer step ``boundary``); the rank
+    answers with the patch (a shared part), then :class:`ShardDone`."""
+
+    sender: int
+    boundary: int
+    version: int
+
+
+@message
+@dataclass(eq=False)
+class ShardDrop:
+    """Forget sender ``sender`` (its lineage is gone): its snapshot is freed."""
+
+    sender: int
+
+
+@message
+@dataclass(eq=False)
+class ShardDone:
+    """The end of a shard rank's answer to a command: ``ok``, or why not (``error``); ``stats``
+    of the build (``changed``, ``bytes``, ``build_s``, ``encode_s``, ``snapshot_bytes``)."""
+
+    sender: int
+    ok: bool
+    error: str | None = None
+    stats: dict = field(default_factory=dict)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -114,10 +115,14 @@ class Snapshot:
         self._shapes: list[torch.Size] = []
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        self._inline = types.SimpleNamespace()
         self._writeback: list[Future] = []
         self.staged_event = None  # CUDA event marking staged results (W13), else None
         self._copy_streams: dict = {}  # device -> the one prefetch stream (a new one per build piles up blocks)
         self._pinned: PinnedBlock | None = None  # the CPU snapshot of CUDA tensors, pinned in one exact block
+        self._scratch_lock = threading.Lock()
+        #: Bytes of the builder's scratch buffers (per worker thread, kept between builds).
+        self.scratch_bytes = 0
 
     # ----------------------------------------------------------------- state
     @property
@@ -171,6 +176,9 @@ class Snapshot:
         if old_block is not None:
             old_block.release()
         self._shapes = [t.shape for t in tensors]
+        self._widest: dict[int, int] = {}  # element size -> most elements of one tensor of it
+        for s in snaps:
+            self._widest[s.element_size()] = max(self._widest.get(s.element_size(), 0), s.numel())
 
     # ------------------------------------------------------------------ diff
     def diff(self, tensors: list[torch.Tensor], out_device: str | torch.device = "cpu",
@@ -222,20 +230,39 @@ class Snapshot:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiosync-diff")
         return self._pool
 
-    def _buffers(self, dtype: torch.dtype, np_dtype) -> tuple:
-        cache = getattr(self._local, "bufs", None)
+    def _cache(self, name: str) -> dict:
+        """Scratch buffers kept between builds: per thread of this snapshot's pool, and one set
+        for builds run in the caller's thread (a build runs in one thread at a time, but not
+        always the same one: a worker thread of the event loop's pool)."""
+        holder = self._local if threading.current_thread().name.startswith("aiosync-diff") else self._inline
+        cache = getattr(holder, name, None)
         if cache is None:
-            cache = self._local.bufs = {}
+            cache = {}
+            setattr(holder, name, cache)
+        return cache
+
+    def _scratch_elems(self, width: int) -> int:
+        """Elements of a scratch buffer for tensors of ``width`` bytes: a chunk, or fewer when no
+        such tensor is that long."""
+        return max(1, min(self.chunk_elems, getattr(self, "_widest", {}).get(width, self.chunk_elems)))
+
+    def _buffers(self, dtype: torch.dtype, np_dtype) -> tuple:
+        cache = self._cache("bufs")
         key = (dtype, np_dtype)
         if key not in cache:
-            n = self.chunk_elems
+            n = self._scratch_elems(np.dtype(np_dtype).itemsize)
             cache[key] = (
                 torch.empty(n, dtype=dtype),
                 np.empty(n, np.int64),
                 np.empty(n, np_dtype),
                 np.empty(n, np_dtype),
             )
+            self._count_scratch(n * (dtype.itemsize + 8 + 2 * np.dtype(np_dtype).itemsize))
         return cache[key]
+
+    def _count_scratch(self, nbytes: int) -> None:
+        with self._scratch_lock:
+            self.scratch_bytes += nbytes
 
     def _chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
         from .kernels import diff_update
@@ -364,19 +391,20 @@ class Snapshot:
 
         flat, snap_np, src_np, fused = source
         width = snap_np.itemsize
-        cache = getattr(self._local, "flat", None)
-        if cache is None:
-            cache = self._local.flat = {}
+        cache = self._cache("flat")
         if width not in cache:
-            n = self.chunk_elems
+            n = self._scratch_elems(width)
             # varint bytes of a chunk <= changes + (sum of gaps) / 128 + 9 <= n + n // 128 + 9
             cache[width] = (np.empty(n + n // 64 + 16, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8),
                             {})
+            self._count_scratch(n + n // 64 + 16 + n + width * n)
         gaps, nibs, exc, casts = cache[width]
         if src_np is None:  # torch casts this chunk into a scratch buffer first
             snap = self._snaps[slot]
             if snap.dtype not in casts:
-                casts[snap.dtype] = torch.empty(self.chunk_elems, dtype=snap.dtype)
+                n = self._scratch_elems(width)
+                casts[snap.dtype] = torch.empty(n, dtype=snap.dtype)
+                self._count_scratch(n * snap.element_size())
             src, fused = self._source(flat[start:end], snap, casts[snap.dtype])
         else:
             src = src_np[start:end]

@@ -21,6 +21,7 @@ each tensor is still the one planned against: same storage, shape and dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,21 +47,26 @@ class Journal:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        #: Bytes of the old values kept (as far as the records say: ``record(undo, nbytes)``).
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._undo)
 
-    def record(self, undo: Callable[[], None]) -> None:
+    def record(self, undo: Callable[[], None], nbytes: int = 0) -> None:
         self._undo.append(undo)
+        self.nbytes += nbytes
 
     def record_positions(self, view: torch.Tensor, index, old: torch.Tensor) -> None:
         """``view[index]`` held ``old`` before the write."""
         self._undo.append(lambda: view.__setitem__(index, old))
+        self.nbytes += old.numel() * old.element_size()
 
     def record_whole(self, t: torch.Tensor) -> None:
         """``t`` is about to be overwritten whole: keep a copy of its old value."""
         old = t.clone()
         self._undo.append(lambda: t.copy_(old))
+        self.nbytes += old.numel() * old.element_size()
 
     def rollback(self) -> None:
         with torch.no_grad():
@@ -140,6 +146,11 @@ class FullStateWrite:
     def written_keys(self) -> list[str]:
         """The keys whose tensors the write changes (in write order)."""
         return [k for k, e in self._entries.items() if e.dense is not None or e.index is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the plan holds: changed positions and their new bits, or whole new values."""
+        return held_bytes([(e.index, e.new_bits, e.dense) for e in self._entries.values()])
 
     def _drop(self, key: str, home: tuple) -> None:
         del self._entries[key]
@@ -257,6 +268,39 @@ async def commit_write(model: Any, keys: Sequence[str], version: int | None, jou
                 if isinstance(exc, Exception):
                     exc.add_note(f"putting the old weights back failed too: {type(again).__name__}: {again}")
         raise
+def held_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensors and numpy arrays inside ``obj`` (containers, dataclasses,
+    shared parts; a buffer referenced twice counts once): what a receiver holds for it."""
+    from ..messages import Shared
+
+    seen: dict = {}
+
+    def walk(o: Any, depth: int) -> None:
+        if depth > 12 or o is None:
+            return
+        if isinstance(o, torch.Tensor):
+            if o.numel() and o.device.type != "meta":
+                storage = o.untyped_storage()
+                seen[("t", storage.data_ptr())] = max(seen.get(("t", storage.data_ptr()), 0), storage.nbytes())
+        elif isinstance(o, np.ndarray):
+            base = o
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            seen[("n", id(base))] = base.nbytes
+        elif isinstance(o, Shared):
+            walk(o.value, depth + 1)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v, depth + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v, depth + 1)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name), depth + 1)
+
+    walk(obj, 0)
+    return sum(seen.values())
 
 
 def warm_up_kernels(tensors) -> None:
@@ -276,7 +320,7 @@ def _scatter_cpu(t: torch.Tensor, pos: torch.Tensor, new_bits: torch.Tensor, jou
     target, positions, values = _np_bits(t.view(-1)), pos.numpy(), _np_bits(new_bits)
     old = np.empty(positions.shape[0] if journal is not None else 0, values.dtype)
     if journal is not None:
-        journal.record(lambda: scatter(target, positions, old, old[:0]))
+        journal.record(lambda: scatter(target, positions, old, old[:0]), old.nbytes)
     scatter(target, positions, values, old)
 
 

@@ -63,11 +63,23 @@ def is_dtensor(tensor: object) -> bool:
     return cls is not None and isinstance(tensor, cls)
 
 
+_GATHERED = [0]
+
+
+def gathered_bytes() -> int:
+    """Bytes of other ranks' shards this process gathered so far (:func:`materialize` of
+    DTensors): what a sharded trainer's syncs cost in memory when they do not stay
+    shard-local (:mod:`aiosync.syncers.shards`)."""
+    return _GATHERED[0]
+
+
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor holding the full value: DTensors are gathered (a collective: every rank
     of the mesh must call this in the same order), plain tensors are returned detached."""
     if is_dtensor(tensor):
+        local = tensor.to_local()
         tensor = tensor.full_tensor()
+        _GATHERED[0] += (tensor.numel() - local.numel()) * tensor.element_size()
     return tensor.detach()
 
 

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..messages import Shared
+
 __all__ = ["FAULT_KINDS", "FaultProfile", "FaultInjector", "tensor_paths", "replace_at", "flip_byte", "cut_short"]
 
 FAULT_KINDS = ("fail", "drop", "delay", "duplicate", "reorder", "corrupt", "truncate", "stall")
@@ -91,6 +93,8 @@ def tensor_paths(obj: Any, path: tuple = (), out: list | None = None, depth: int
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             tensor_paths(v, path + (i,), out, depth + 1)
+    elif isinstance(obj, Shared):
+        tensor_paths(obj.value, path + ("value",), out, depth + 1)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             tensor_paths(getattr(obj, f.name), path + (f.name,), out, depth + 1)
@@ -103,6 +107,8 @@ def replace_at(obj: Any, path: tuple, fn: Callable[[Any], Any]) -> Any:
     if not path:
         return fn(obj)
     head, rest = path[0], path[1:]
+    if isinstance(obj, Shared):  # a new part (the damaged copy must not reuse the original's encoding)
+        return Shared(replace_at(obj.value, rest, fn))
     if isinstance(obj, dict):
         out = dict(obj)
         out[head] = replace_at(obj[head], rest, fn)

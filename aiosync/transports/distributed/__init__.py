@@ -10,7 +10,9 @@ rides on and :meth:`WeightSyncGroup.broadcast` fans one payload out to every ran
 * :mod:`.ops` — waiting on posted work: gloo through a waiter thread, NCCL polled;
 * :mod:`.transport` — :class:`DistributedTransport`, point to point, with its timeout and
   broken-channel semantics;
-* :mod:`.group` — :class:`WeightSyncGroup`: the groups, ``transport(peer)``, ``broadcast``.
+* :mod:`.group` — :class:`WeightSyncGroup`: the groups, ``transport(peer)``, ``broadcast``;
+* :mod:`.multicast` — :class:`Multicast`: one version to several peers, shared bodies broadcast
+  once over a group of the ranks involved (the fan-out's rounds).
 
 Only *registered* dataclasses travel (:func:`aiosync.messages.message`; ``register_message``
 is the same decorator under the name earlier releases exported). This package knows no
@@ -19,8 +21,10 @@ protocol above it: it imports nothing from the coordination layer or the syncers
 
 from ...messages import register_message
 from .group import WeightSyncGroup
+from .multicast import Multicast, MulticastStatistics
 from .transport import DEFAULT_TAG, DistributedTransport, DistributedTransportStatistics
 from .wire import MAGIC, MAX_HEADER_BYTES, Frame, Prefix, decode_message, encode_message
 
-__all__ = ["DistributedTransport", "DistributedTransportStatistics", "WeightSyncGroup", "Frame", "Prefix",
+__all__ = ["DistributedTransport", "DistributedTransportStatistics", "WeightSyncGroup", "Multicast",
+           "MulticastStatistics", "Frame", "Prefix",
            "encode_message", "decode_message", "register_message", "MAGIC", "MAX_HEADER_BYTES", "DEFAULT_TAG"]

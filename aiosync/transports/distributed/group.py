@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, PeerTimeoutError, TransportError
+from .multicast import Multicast
 from .ops import _Op, is_gloo
 from .transport import DEFAULT_TAG, DistributedTransport
 from .wire import Prefix, allocate_frame, decode_message, encode_cached
@@ -60,6 +61,13 @@ class WeightSyncGroup:
     comm_report: dict[str, str] = field(default_factory=dict)
     #: The W4 options the NCCL data communicator was made with (``None``: the defaults).
     comm_options: Any = None
+    #: This process's multicast rounds (:mod:`.multicast`): the transports of this group receive
+    #: routed messages through it, and a fan-out sends one version to several of them with it.
+    multicast: Multicast | None = None
+
+    def __post_init__(self) -> None:
+        if self.multicast is None:  # half the transports' bound: a round's fallback still fits a delivery's
+            self.multicast = Multicast(timeout=(self.timeout if self.timeout is not None else 600.0) / 2)
 
     @property
     def rank(self) -> int:
@@ -140,7 +148,8 @@ class WeightSyncGroup:
         """A :class:`DistributedTransport` to ``peer`` over these groups. The peer must make the
         matching one (with this rank as its ``peer`` and the same ``tag``)."""
         t = self.timeout if timeout == "group" else timeout
-        return DistributedTransport(peer, self.group, self.data_group, self.device, t, tag, self.comm_options)
+        return DistributedTransport(peer, self.group, self.data_group, self.device, t, tag, self.comm_options,
+                                    router=self.multicast)
 
     async def broadcast(self, payload: Any = None, *, src: int, timeout: float | None | str = "group") -> Any:
         """Fan one payload out from ``src`` to every rank of the group (a collective: every rank

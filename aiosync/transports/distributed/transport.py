@@ -36,7 +36,7 @@ from ...aio import bind_cuda
 from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
-from .wire import MAX_MESSAGE_BYTES, Prefix, allocate_frame, decode_message, encode_cached
+from .wire import MAX_MESSAGE_BYTES, Frame, Prefix, allocate_frame, decode_doc, encode_cached, read_header
 
 __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TAG"]
 
@@ -45,6 +45,8 @@ log = logging.getLogger("aiosync.transport")
 DEFAULT_TAG = 0x5A5C
 #: (data group, peer) -> set once the first NCCL operation to that peer was posted (its communicator exists)
 _WARM: dict[tuple[int, int], anyio.Event] = {}
+
+_SKIP = object()  # a message the transport consumed itself
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,10 @@ class _Incoming:
     host: torch.Tensor | None = None
     dev: torch.Tensor | None = None
     body_ops: list = field(default_factory=list)
+    #: The header, read (version 2: the detached bodies that follow, and how they travel).
+    doc: dict | None = None
+    detached: list = field(default_factory=list)
+    detached_ops: list = field(default_factory=list)
 
 
 def _comm_tuple(options: Any) -> tuple:
@@ -122,6 +128,9 @@ class DistributedTransport(Transport):
     closed: bool = False
     _send_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
     _incoming: _Incoming | None = field(default=None, repr=False)
+    #: Receives bodies that do not come point to point (a multicast round: :mod:`.multicast`).
+    router: Any = None
+    _unread: Any = field(default=None, repr=False)
     _ctrl_threaded: bool = field(default=True, repr=False)
     _data_threaded: bool = field(default=True, repr=False)
 
@@ -231,32 +240,61 @@ class DistributedTransport(Transport):
         """Send one payload; returns when the peer received all of it.
 
         A send that times out was already posted: the message still arrives whole if the
-        peer reads it later, so the framing stays intact.
+        peer reads it later, so the framing stays intact. Shared parts
+        (:class:`aiosync.messages.Shared`) are encoded once per process and their bodies sent
+        as they are, after the message (detached bodies).
         """
         self._check()
         t0 = time.perf_counter()
-        frame = await encode_cached(payload, self.device)
+        frame = await encode_cached(payload, self.device, detach_shared=True)
         self.stats.encode_s += time.perf_counter() - t0
+        async with self._send_lock:
+            await self.send_frame(frame)
+
+    async def send_frame(self, frame: Frame, *, detached: bool = True) -> None:
+        """Send an encoded frame (``detached``: and its detached bodies, point to point). The
+        caller holds :attr:`send_lock` (a multicast round holds it from a member's header to its
+        bodies, so that nothing else comes in between)."""
+        self._check()
         prefix, header = frame.prefix.tensor(), frame.header_tensor()
         if self.device is not None and not self._ctrl_threaded:  # an NCCL control group needs CUDA tensors
             prefix, header = prefix.to(self.device), header.to(self.device)
-        async with self._send_lock:
-            self._check()
-            deadline = self._deadline()
-            ops = [self._post(dist.isend, prefix, data=False, what="send (prefix)"),
-                   self._post(dist.isend, header, data=False, what="send (header)")]
-            if frame.host is not None:
-                ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
-            if frame.device is not None:
-                ops.append(await self._post_data(dist.isend, frame.device, deadline, "send (device body)"))
-            for op in ops:
-                await self._await(op, deadline, op.what)
+        deadline = self._deadline()
+        ops = [self._post(dist.isend, prefix, data=False, what="send (prefix)"),
+               self._post(dist.isend, header, data=False, what="send (header)")]
+        if frame.host is not None:
+            ops.append(self._post(dist.isend, frame.host, data=False, what="send (host body)"))
+        if frame.device is not None:
+            ops.append(await self._post_data(dist.isend, frame.device, deadline, "send (device body)"))
+        bodies = frame.detached if detached else []
+        for body in bodies:
+            on_device = self.device is not None and body.device.type == self.device.type
+            ops.append(await self._post_data(dist.isend, body, deadline, "send (shared body)") if on_device
+                       else self._post(dist.isend, body, data=False, what="send (shared body)"))
+        for op in ops:
+            await self._await(op, deadline, op.what)
         self.stats.messages_sent += 1
-        self.stats.bytes_sent += frame.nbytes
+        self.stats.bytes_sent += frame.prefix.nbytes + sum(b.numel() for b in bodies)
+
+    @property
+    def send_lock(self) -> anyio.Lock:
+        """Held for the whole of one message (its frame and its detached bodies)."""
+        return self._send_lock
 
     async def recv(self) -> Any:
         """Wait for the next payload. A timeout or cancellation loses nothing: the next call
         resumes the same message."""
+        while True:
+            inc = await self._recv_frame()
+            payload = await self._finish(inc)
+            if payload is not _SKIP:
+                return payload
+
+    async def _recv_frame(self) -> _Incoming:
+        """Receive the next frame and its point-to-point detached bodies (resumable)."""
+        if self._unread is not None:
+            inc, self._unread = self._unread, None
+            return inc
         self._check()
         deadline = self._deadline()
         if self._incoming is None:
@@ -282,11 +320,69 @@ class DistributedTransport(Transport):
                 ops.append(await self._post_data(dist.irecv, inc.dev, deadline, "recv (device body)"))
         for op in inc.body_ops:
             await self._await(op, deadline, op.what)
-        self._incoming = None
-        header = inc.header.cpu().numpy().tobytes()
+        if inc.doc is None:
+            try:
+                doc = read_header(inc.header.cpu().numpy().tobytes())
+                if any(on_dev and self.device is None for _, on_dev in doc["ext"]):
+                    raise PayloadError(f"rank {self.peer} sent shared device bodies, but this end has no device "
+                                       "data group")
+            except PayloadError as err:  # what follows it cannot be framed
+                raise self._fail(err, "recv") from err
+            inc.doc = doc
+            if doc.get("route") is None:  # detached bodies follow point to point
+                if sum(n for n, _ in doc["ext"]) + inc.announced.nbytes > self.max_message_bytes:
+                    raise self._fail(PayloadError(f"rank {self.peer} announced detached bodies beyond "
+                                                  f"{self.max_message_bytes} bytes"), "recv")
+                for nbytes, on_dev in doc["ext"]:
+                    try:
+                        body = torch.empty(nbytes, dtype=torch.uint8, device=self.device if on_dev else None)
+                    except (RuntimeError, MemoryError) as exc:
+                        raise self._fail(PayloadError(f"rank {self.peer} announced a shared body of {nbytes} bytes, "
+                                                      f"which this process cannot allocate: {str(exc)[:200]}"),
+                                         "recv") from None
+                    inc.detached.append(body)
+                    inc.detached_ops.append(await self._post_data(dist.irecv, body, deadline, "recv (shared body)")
+                                            if on_dev else self._post(dist.irecv, body, data=False,
+                                                                      what="recv (shared body)"))
+        for op in inc.detached_ops:
+            await self._await(op, deadline, op.what)
+        return inc
+
+    async def _finish(self, inc: _Incoming, *, routed: bool = True) -> Any:
+        """Decode a received frame; a routed one (a multicast round) first gets its bodies
+        from :attr:`router`, a fallback of a round already complete is consumed here."""
+        doc = inc.doc
+        self._incoming = None  # the frame's own bytes are in: the next receive reads the next message
         self.stats.messages_received += 1
         self.stats.bytes_received += inc.announced.nbytes
-        return decode_message(header, inc.host, inc.dev)
+        if doc.get("route") is not None:
+            if self.router is None or not routed:
+                raise PayloadError(f"rank {self.peer} sent a message routed by {doc['route']!r}, but this end has "
+                                   "no router for it here (transports of one WeightSyncGroup route multicasts)")
+            inc.detached = await self.router.receive(self, doc)
+        else:
+            self.stats.bytes_received += sum(b.numel() for b in inc.detached)
+        payload = decode_doc(doc, inc.host, inc.dev, externals=inc.detached)
+        if routed and self.router is not None and self.router.stale(payload):
+            return _SKIP
+        return payload
+
+    async def recv_direct(self, want: Any) -> Any:
+        """The next message if ``want(payload)`` holds (a multicast round's fallback, read while
+        its round is being received), else ``None``: then the message stays for the next
+        receive, and so does a routed one."""
+        inc = await self._recv_frame()
+        if inc.doc.get("route") is not None:
+            self._unread = inc
+            return None
+        payload = decode_doc(inc.doc, inc.host, inc.dev, externals=inc.detached)
+        if not want(payload):
+            self._unread = inc
+            return None
+        self._incoming = None
+        self.stats.messages_received += 1
+        self.stats.bytes_received += inc.announced.nbytes + sum(b.numel() for b in inc.detached)
+        return payload
 
     def statistics(self) -> DistributedTransportStatistics:
         """A frozen snapshot of this end's counters."""

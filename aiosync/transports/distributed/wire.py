@@ -14,6 +14,18 @@ A transport that ships large tensors on its own (the Ray transport: one object p
 encodes with ``external=``: those tensors are left out of the bodies and the header refers to
 external body ``i`` instead; the receiver passes them back to :func:`decode_message`.
 
+**Shared parts** (:class:`aiosync.messages.Shared`, header version 2): a part of many messages
+— one version sent to several explorers — is encoded once into a frame of its own (cached on
+the ``Shared``; counted by :func:`shared_statistics`). A message holding it carries that
+frame's header inline and its bodies by reference: with ``detach_shared=True`` (the
+distributed transport) they leave the message as *detached bodies*, listed in the header's
+``ext`` (``[bytes, on device]`` each) and sent after the message's own bodies, the same tensors
+to every peer — never packed again; a transport with ``external=`` gets them offered like any
+other tensor (the Ray transport puts them into the object store once); otherwise they are
+packed inline. ``route`` (optional, in the header) says how detached bodies travel when not
+point to point (a multicast round: :mod:`.multicast`). A received shared part is a ``Shared``
+again, remembering the frame it came in, so a process that relays it sends the same bytes.
+
 The header is JSON, never pickle: only plain values, lists, tuples, dicts, ``torch.dtype``,
 tensors, ``bytes`` and *registered* dataclasses (:func:`aiosync.messages.message`; aiosync's
 payload and protocol classes are registered) can travel, so a peer cannot make this process
@@ -28,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,10 +51,11 @@ import torch
 from ...aio import run_sync
 from ...dtypes import dtype_from_name, dtype_name
 from ...errors import MessageError, PayloadError
-from ...messages import is_message, message_type, payload_nbytes, type_name
+from ...messages import Shared, is_message, message_type, payload_nbytes, type_name
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "PREFIX_BYTES", "Prefix", "Frame", "allocate_frame",
-           "encode_message", "decode_message", "encode_cached"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "PREFIX_BYTES", "Prefix", "Frame", "SharedStatistics",
+           "allocate_frame", "encode_message", "decode_message", "read_header", "decode_doc", "encode_cached",
+           "shared_statistics"]
 
 MAGIC = 0x41494F53594E4331  # "AIOSYNC1"
 #: The prefix: four int64 words.
@@ -137,11 +151,13 @@ def allocate_frame(announced: Prefix, header_device: torch.device | None, device
 
 @dataclass
 class Frame:
-    """One encoded message: the JSON header and up to two packed bodies."""
+    """One encoded message: the JSON header, up to two packed bodies, and the detached bodies
+    of the shared parts it holds (sent after it; see the module docstring)."""
 
     header: bytes
     host: torch.Tensor | None
     device: torch.Tensor | None
+    detached: list = dataclasses.field(default_factory=list)
 
     @property
     def prefix(self) -> Prefix:
@@ -151,8 +167,8 @@ class Frame:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire, prefix included."""
-        return self.prefix.nbytes
+        """Bytes on the wire, prefix and detached bodies included."""
+        return self.prefix.nbytes + sum(t.numel() for t in self.detached)
 
     def header_tensor(self) -> torch.Tensor:
         """The header as the ``uint8`` tensor that is sent."""
@@ -185,9 +201,14 @@ class _Encoder:
     """Turns a payload into a JSON-able tree plus the tensors and byte strings it references."""
 
     def __init__(self, device: torch.device | None,
-                 external: "Callable[[torch.Tensor], int | None] | None" = None) -> None:
+                 external: "Callable[[torch.Tensor], int | None] | None" = None, detach_shared: bool = False) -> None:
+        if external is not None and detach_shared:
+            raise ValueError("encode with external= or with detach_shared=True, not both")
         self.device = device  # tensors on this device go to the device body
         self.external = external  # tensors it places travel out of band, in bodies of their own
+        self.detach_shared = detach_shared  # bodies of shared parts travel after the frame
+        self.detached: list[torch.Tensor] = []
+        self.shared = False
         self.host: list[tuple[int, Any]] = []  # (offset, tensor or bytes)
         self.dev: list[tuple[int, torch.Tensor]] = []
         self.host_size = 0
@@ -217,6 +238,10 @@ class _Encoder:
             return {"$dict": [[self.encode(k), self.encode(v)] for k, v in obj.items()]}
         if isinstance(obj, torch.dtype):
             return {"$dtype": dtype_name(obj)}
+        if isinstance(obj, Shared):
+            self.shared = True
+            frame = shared_frame(obj, self.device)
+            return {"$shared": [self.encode(frame.header), self._body(frame.host), self._body(frame.device)]}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             if not is_message(obj):
                 raise PayloadError(
@@ -226,6 +251,17 @@ class _Encoder:
             return {"$dc": type_name(type(obj)), "f": fields}
         raise PayloadError(f"cannot send a {type(obj).__name__} over a process boundary: send tensors, bytes, "
                            "numbers, strings, lists, tuples, dicts or registered dataclasses")
+
+    def _body(self, body: torch.Tensor | None) -> int | None:
+        """A body of a shared part's frame: detached (sent after this frame, the same tensor to
+        every peer), or a tensor of this message like any other."""
+        if body is None:
+            return None
+        if self.detach_shared:
+            self.detached.append(body)
+            self.tensors.append([_EXTERNAL + len(self.detached) - 1, 0, body.numel(), "uint8", [body.numel()]])
+            return len(self.tensors) - 1
+        return self._tensor(body)
 
     def _tensor(self, t: torch.Tensor) -> int:
         original, t = t, _plain_tensor(t)
@@ -272,20 +308,33 @@ def _copy_bytes(dst: torch.Tensor, off: int, t: torch.Tensor) -> None:
 
 
 def encode_message(payload: Any, device: torch.device | None = None, *,
-                   external: "Callable[[torch.Tensor], int | None] | None" = None) -> Frame:
+                   external: "Callable[[torch.Tensor], int | None] | None" = None, detach_shared: bool = False,
+                   route: Any = None) -> Frame:
     """Encode ``payload`` into a :class:`Frame`. Tensors on ``device`` (a CUDA device) go to the
     device body; every other tensor, and ``bytes``, to the host body.
 
     ``external(tensor)`` (optional) may place a tensor *out of band*: it returns the index of
     an external body that will carry exactly that tensor's bytes (the caller ships those bodies
     itself, e.g. as Ray objects), or ``None`` to pack it as usual. The header then refers to
-    external body ``i``; :func:`decode_message` takes the bodies as ``externals``."""
-    enc = _Encoder(device, external)
+    external body ``i``; :func:`decode_message` takes the bodies as ``externals``.
+
+    Shared parts (:class:`aiosync.messages.Shared`) are encoded once and reused; with
+    ``detach_shared`` their bodies become :attr:`Frame.detached` (listed in the header's ``ext``),
+    which the receiver passes back as ``externals``. ``route`` (any JSON value) is carried in the
+    header for the transport (:func:`read_header` returns it)."""
+    enc = _Encoder(device, external, detach_shared)
     tree = enc.encode(payload)
-    header = json.dumps({"v": 1, "tree": tree, "tensors": enc.tensors}, separators=(",", ":"),
-                        allow_nan=False).encode()
+    doc: dict[str, Any] = {"v": 1, "tree": tree, "tensors": enc.tensors}
+    if enc.shared or route is not None:
+        doc["v"] = 2
+        doc["ext"] = [[t.numel(), 1 if (device is not None and t.device.type == device.type) else 0]
+                      for t in enc.detached]
+        if route is not None:
+            doc["route"] = route
+    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     host, dev = enc.pack()
-    return Frame(header, host, dev)
+    return Frame(header, host, dev, enc.detached)
+
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -363,9 +412,26 @@ class _Decoder:
             return float(node["$float"])
         if "$dtype" in node:
             return _parse_dtype(node["$dtype"])
+        if "$shared" in node:
+            return self._shared(node["$shared"], depth)
         if "$dc" in node:
             return self._dataclass(node, depth)
         raise PayloadError(f"unknown node {sorted(node)} in message header")
+
+    def _shared(self, node: Any, depth: int) -> Shared:
+        if not (isinstance(node, list) and len(node) == 3):
+            raise PayloadError("malformed shared part in message header")
+        header = self.decode(node[0], depth)
+        if not isinstance(header, bytes):
+            raise PayloadError("a shared part's header is not a byte string")
+        host, dev = (None if n is None else self.tensor(n) for n in node[1:])
+        value = decode_message(header, host, dev)
+        if isinstance(value, Shared):
+            raise PayloadError("a shared part holds another shared part")
+        shared = Shared(value)
+        device = None if dev is None else dev.device
+        shared.encoded[_cache_key(device)] = _Relay(Frame(header, host, dev))  # a relay sends these bytes again
+        return shared
 
     def _dataclass(self, node: dict, depth: int) -> Any:
         name = node["$dc"]
@@ -382,22 +448,34 @@ class _Decoder:
             raise PayloadError(f"cannot rebuild {cls.__name__} from the message: {exc}") from None
 
 
-def decode_message(header: bytes, host: torch.Tensor | None = None, device: torch.Tensor | None = None, *,
-                   externals: Sequence[torch.Tensor] = ()) -> Any:
-    """Rebuild a payload from a header and its bodies (inverse of :func:`encode_message`);
-    ``externals``: the out-of-band bodies, one ``uint8`` tensor per external tensor, in the
-    order ``external`` numbered them."""
+def read_header(header: bytes) -> dict:
+    """Parse and check a received header's outer layout (version 1 or 2). For version 2 the
+    ``ext`` list (detached bodies: ``[bytes, on device]`` each) is validated too; a transport
+    receives those bodies before it calls :func:`decode_doc`."""
     try:
         doc = json.loads(header.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: an integer of thousands of digits
         raise MessageError(f"message header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
-    if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("tensors"), list):
-        raise MessageError("message header has an unknown layout (not an aiosync v1 message)")
+    if not isinstance(doc, dict) or doc.get("v") not in (1, 2) or not isinstance(doc.get("tensors"), list):
+        raise MessageError("message header has an unknown layout (not an aiosync v1 or v2 message)")
+    ext = doc.get("ext", [])
+    if not isinstance(ext, list) or not all(
+            isinstance(e, list) and len(e) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+            and 0 <= e[0] <= MAX_MESSAGE_BYTES and e[1] in (0, 1) for e in ext):
+        raise MessageError("message header lists malformed detached bodies")
+    doc["ext"] = ext
+    return doc
+
+
+def decode_doc(doc: dict, host: torch.Tensor | None = None, device: torch.Tensor | None = None, *,
+               externals: Sequence[torch.Tensor] = ()) -> Any:
+    """Rebuild a payload from a header read by :func:`read_header` and its bodies; a message that
+    cannot be rebuilt is a :class:`~aiosync.errors.MessageError` naming what it claimed to be."""
     try:
         return _Decoder(doc["tensors"], host, device, externals).decode(doc.get("tree"))
     except PayloadError as exc:
         raise _refused(doc, str(exc)) from None
-    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError, RecursionError) as exc:
         raise _refused(doc, f"malformed message: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
@@ -415,28 +493,91 @@ def _refused(doc: dict, why: str) -> MessageError:
     return MessageError(why, message_type=name if isinstance(name, str) else None, **plain)
 
 
+def decode_message(header: bytes, host: torch.Tensor | None = None, device: torch.Tensor | None = None, *,
+                   externals: Sequence[torch.Tensor] = ()) -> Any:
+    """Rebuild a payload from a header and its bodies (inverse of :func:`encode_message`);
+    ``externals``: the out-of-band bodies (or the detached ones), one ``uint8`` tensor per
+    external tensor, in the order ``external`` numbered them."""
+    return decode_doc(read_header(header), host, device, externals=externals)
+
+
+# ----------------------------------------------------------------------------- shared parts
+
+
+@dataclass(frozen=True)
+class SharedStatistics:
+    """Shared parts of this process: ``encodes`` (frames built), ``reuses`` (messages that sent
+    an already built frame), ``relayed`` (sent as the bytes they were received in)."""
+
+    encodes: int
+    reuses: int
+    relayed: int
+
+
+@dataclass(frozen=True)
+class _Relay:
+    """The frame a shared part was received in (sent on as it is)."""
+
+    frame: Frame
+
+
+_SHARED = {"encodes": 0, "reuses": 0, "relayed": 0}
+_SHARED_LOCK = threading.Lock()
+
+
+def _cache_key(device: torch.device | None) -> tuple:
+    return ("wire", None if device is None else device.type)
+
+
+def shared_frame(shared: Shared, device: torch.device | None) -> Frame:
+    """The frame of ``shared`` for ``device``: built once (the first message that sends it),
+    then reused; a received part goes out as the frame it came in."""
+    key = _cache_key(device)
+    with _SHARED_LOCK:
+        frame = shared.encoded.get(key)
+        if frame is not None:
+            relayed = isinstance(frame, _Relay)
+            _SHARED["relayed" if relayed else "reuses"] += 1
+            return frame.frame if relayed else frame
+        frame = encode_message(shared.value, device)
+        if frame.detached:  # pragma: no cover - encode_message without detach_shared packs them inline
+            raise PayloadError("a shared part's frame has detached bodies")
+        shared.encoded[key] = frame
+        _SHARED["encodes"] += 1
+        return frame
+
+
+def shared_statistics() -> SharedStatistics:
+    """Counters of shared parts in this process (see :class:`SharedStatistics`)."""
+    with _SHARED_LOCK:
+        return SharedStatistics(**_SHARED)
+
+
 # ----------------------------------------------------------------------------- fan-out cache
 
 #: Encoded frames of payloads sent to several peers (fan-out), keyed by the payload object.
 _FRAME_CACHE: "weakref.WeakKeyDictionary[Any, tuple[Any, Frame]]" = weakref.WeakKeyDictionary()
 
 
-async def encode_cached(payload: Any, device: torch.device | None) -> Frame:
+async def encode_cached(payload: Any, device: torch.device | None, *, detach_shared: bool = False,
+                        route: Any = None) -> Frame:
     """Encode ``payload`` (in a worker thread when it is large, so the event loop never packs
-    big bodies); a payload object sent again (to another explorer) reuses its frame."""
+    big bodies); a payload object sent again (to another explorer) reuses its frame. Shared
+    parts inside it are encoded once however many payloads hold them."""
+    key = (device, detach_shared)
     try:
-        hit = _FRAME_CACHE.get(payload)
+        hit = None if route is not None else _FRAME_CACHE.get(payload)
     except TypeError:  # not weak-referenceable / hashable: never cached
         hit = None
-    if hit is not None and hit[0] == device:
+    if hit is not None and hit[0] == key:
         return hit[1]
     if payload_nbytes(payload) >= _PACK_IN_THREAD:
-        frame = await run_sync(encode_message, payload, device)
+        frame = await run_sync(lambda: encode_message(payload, device, detach_shared=detach_shared, route=route))
     else:
-        frame = encode_message(payload, device)
-    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        frame = encode_message(payload, device, detach_shared=detach_shared, route=route)
+    if route is None and dataclasses.is_dataclass(payload) and not isinstance(payload, type):
         try:
-            _FRAME_CACHE[payload] = (device, frame)
+            _FRAME_CACHE[payload] = (key, frame)
         except TypeError:
             pass
     return frame

@@ -1,0 +1,219 @@
+"""A sharded trainer's ranks (FSDP2): shard-local syncs, with one synchronizer.
+
+Every rank of the trainer keeps the snapshot of its own shard and builds its own shard's patch
+(:mod:`aiosync.syncers.shards`); one rank — the trainer's rank 0 — runs the
+:class:`~aiosync.Synchronizer` (sessions, schedules, fan-out, explorers) and attaches the
+trainer with ``attach_trainer(model, shard_peers=[...])``; every other rank runs a
+:class:`ShardPeer` over a transport to it::
+
+    # rank 0 of the trainer
+    async with Synchronizer({"method": "nccl", ...}, PATCH) as sync:
+        trainer = await sync.attach_trainer(model, shard_peers=[group.transport(r, tag=SHARD_TAG)
+                                                                 for r in trainer_ranks[1:]])
+        ...
+        for step in range(steps):
+            await anyio.to_thread.run_sync(train_step)
+            await trainer.step_done()
+
+    # every other rank of the trainer
+    async with ShardPeer(model, group.transport(0, tag=SHARD_TAG)) as peer:
+        for step in range(steps):
+            await anyio.to_thread.run_sync(train_step)   # FSDP's collectives: every rank
+            await peer.step_done()                       # wherever rank 0 calls step_done()
+
+Syncs happen at the trainer's check points, as with the NCCL method (which a sharded trainer
+uses): rank 0 opens a window at ``step_done()``; every shard of the version is built from that
+step, each by its rank, in parallel; rank 0 says :class:`~.protocol.ShardGo` when its check
+point is over, and the ranks train on. A command is only carried out at the step it names (one
+for a step a rank has not reached yet waits until it has), so no version ever mixes two steps. Before its first ``step_done()`` and after its last, a rank
+serves at any time: a synchronous trainer's weights cannot change while rank 0 is not training
+(explorers that join then are bootstrapped from the ranks' live shards).
+
+Train in a worker thread (``anyio.to_thread.run_sync``): the event loop of every rank must stay
+free to answer rank 0 while the collectives of a step run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from ..errors import ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutError, TransportError
+from ..syncers.base import recv_with_timeout
+from ..syncers.payloads import ShardHello
+from ..syncers.shards import ShardLink, ShardServer
+from ..syncers.state_dicts import collect_param_names_need_sync, module_state_dict
+from ..transports.base import Transport
+from .protocol import ShardClose, ShardGo
+
+log = logging.getLogger("aiosync.sync")
+
+#: The point-to-point tag of the channels between a trainer's ranks (apart from the explorers').
+SHARD_TAG = 0x5A5D
+
+
+def _names(model: Any, names: Iterable[str] | None) -> list[str]:
+    if names is not None:
+        return list(names)
+    if isinstance(model, torch.nn.Module):
+        return collect_param_names_need_sync(model)
+    return list(model)
+
+
+class ShardPeer:
+    """A rank of a sharded trainer that does not run the synchronizer: serves the commands of
+    the rank that does, over ``transport`` (see the module docstring).
+
+    ``model``: the rank's module (its state dict holds DTensors) or a mapping of its pieces
+    (DTensors, :class:`~aiosync.checkpoints.TensorSlice`). ``rank``: its shard's index among
+    the trainer's ranks (default: its torch.distributed rank). ``timeout`` bounds every wait on
+    rank 0 (a ``step_done()`` waiting for the end of rank 0's check point, the final drain).
+    """
+
+    def __init__(self, model: Any, transport: Transport, *, rank: int | None = None,
+                 names: Iterable[str] | None = None, timeout: float = 600.0) -> None:
+        if rank is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError("ShardPeer: pass rank= or initialise torch.distributed (its rank is the default)")
+            rank = dist.get_rank()
+        if rank == 0:
+            raise ConfigError("ShardPeer: shard 0 is the synchronizer's rank (attach_trainer(..., shard_peers=...))")
+        self.model, self.transport, self.timeout = model, transport, timeout
+        self.step = 0
+        self.closed = False
+        #: Why rank 0 is gone (its channel broke), or ``None``.
+        self.error: BaseException | None = None
+        self.server = ShardServer(rank, lambda: module_state_dict(self.model), _names(model, names), transport.send,
+                                  lambda: self.step)
+        self._go = 0
+        self._serving = anyio.Event()
+        self._changed = anyio.Event()
+        self._tg: Any = None
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes this rank holds for syncs: its shard's snapshots and their scratch."""
+        return self.server.snapshot_bytes
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def __aenter__(self) -> "ShardPeer":
+        hello = self.server.hello()
+        with anyio.fail_after(self.timeout):
+            await self.transport.send(hello)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._serving.set()  # before the first step: the weights do not change yet
+        self._tg.start_soon(self._read)
+        return self
+
+    async def step_done(self) -> None:
+        """The end of one train step on this rank: carry out rank 0's commands for this step,
+        until rank 0's check point is over (bounded by ``timeout``)."""
+        self._check()
+        self.step += 1
+        self._serving.set()
+        self._notify()  # a command for this step that came early runs now
+        with anyio.move_on_after(self.timeout):
+            while self._go < self.step and not self.closed:
+                await self._changed.wait()
+        self._check()
+        if self._go < self.step:
+            raise PeerTimeoutError(f"shard rank {self.server.rank}: rank 0 did not finish its check point of step "
+                                   f"{self.step} within {self.timeout}s (call step_done() on every rank of the trainer, "
+                                   "at the same steps)")
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise TransportError(f"shard rank {self.server.rank} lost the synchronizer's rank: {self.error}") \
+                from self.error
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None and not self.closed:  # serve the final syncs (drain, repairs) until rank 0 closes
+                self._serving.set()
+                with anyio.move_on_after(self.timeout):
+                    while not self.closed:
+                        await self._changed.wait()
+        finally:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self.server.close()
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = await self.transport.recv()
+            except PeerTimeoutError:
+                continue
+            except (EndOfStream, TransportError, ClosedResourceError) as exc:
+                self.error, self.closed = exc, True
+                self._notify()
+                return
+            if isinstance(msg, ShardGo):
+                if msg.step >= self.step:
+                    self._serving = anyio.Event()  # training again: later commands wait for the next step
+                self._go = max(self._go, msg.step)
+                self._notify()
+            elif isinstance(msg, ShardClose):
+                self.closed = True
+                self._notify()
+                return
+            else:
+                await self._until_step(getattr(msg, "boundary", self.step))
+                await self._serving.wait()
+                await self.server.handle(msg)
+
+    async def _until_step(self, step: int) -> None:
+        """A command for a step this rank has not reached yet (rank 0 got there first) waits
+        until it does (at most ``timeout``: then the command is refused as out of step)."""
+        with anyio.move_on_after(self.timeout):
+            while self.step < step and not self.closed:
+                await self._changed.wait()
+
+
+@dataclass(eq=False)
+class ShardPeers:
+    """The synchronizer rank's side of the other ranks: their links (for the sharded sender)
+    and the check points it tells them about."""
+
+    transports: list
+    links: list = field(default_factory=list)
+    timeout: float = 600.0
+
+    async def connect(self, names: list[str]) -> None:
+        """Every rank's layout (:class:`ShardHello`), bounded by ``timeout``."""
+        for t in self.transports:
+            hello = await recv_with_timeout(t.recv, self.timeout, "a shard rank's layout")
+            if not isinstance(hello, ShardHello):
+                raise ConfigError(f"expected a ShardHello from a shard rank, got {type(hello).__name__}")
+            if list(hello.names) != list(names):
+                diff = sorted(set(names) ^ set(hello.names))[:3]
+                raise ConfigError(f"shard rank {hello.rank} syncs other keys than this rank (e.g. {diff}): every rank "
+                                  "of the trainer must sync the same keys")
+            self.links.append(ShardLink(hello.rank, t.send, t.recv, hello.pieces))
+
+    async def go(self, step: int) -> None:
+        """Rank 0's check point of ``step`` is over: every rank trains on."""
+        for link in self.links:
+            async with link.lock:
+                await link.send(ShardGo(step))
+
+    async def close(self, reason: str = "") -> None:
+        """The synchronizer closes: the ranks stop serving (bounded, quiet)."""
+        with anyio.move_on_after(min(self.timeout, 30.0), shield=True):
+            for link in self.links:
+                try:
+                    async with link.lock:
+                        await link.send(ShardClose(reason))
+                except (EndOfStream, TransportError, ClosedResourceError, PeerTimeoutError) as exc:
+                    log.debug("aiosync: could not tell shard rank %d to stop: %s", link.rank, exc)

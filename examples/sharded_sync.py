@@ -1,0 +1,310 @@
+"""A sharded (FSDP2) trainer whose ranks each sync their own shard: nothing is gathered.
+
+    torchrun --standalone --nproc-per-node 2 examples/sharded_sync.py --explorers 2 --steps 10 --json out.json
+
+Every rank trains its shard of a small transformer-shaped model with ``fully_shard`` (gloo on
+CPU; real AdamW steps at an RL learning rate). Rank 0 runs the :class:`aiosync.Synchronizer`
+(NCCL method: syncs at the trainer's check points; patch sync every step, trainer-driven,
+``sync_weight_no_wait``) and attaches the trainer with ``shard_peers``; every other rank runs a
+:class:`~aiosync.coordination.shards.ShardPeer`. Each rank keeps the snapshot of its own
+shard, diffs and encodes its own shard's patch, and rank 0 relays the other ranks' patches
+(tiny next to the shards) to the explorers. The explorers (``--explorers``, bfloat16 copies that
+roll out while the trainer trains) live in rank 0's process — the same processes as the trainer
+(explorers in other processes: ``examples/distributed_sync.py`` and the tests).
+
+At the end every rank hashes its own rows of every tensor (cast to bfloat16) and every explorer
+the same rows of its copy; the hashes meet on rank 0, which writes (``--json``) and prints::
+
+    {"ranks": 2, "explorers": 2, "steps": 10, "bit_exact": true, "gathered_bytes": 0,
+     "encodes_per_version": 2.0, "sender_sync_bytes_per_rank": ..., "full_snapshot_bytes": ...,
+     "seconds": ...}
+
+* ``gathered_bytes``: bytes of other ranks' shards materialised for syncs, on any rank;
+* ``encodes_per_version``: shard patches built and encoded per version, all ranks together
+  (one per rank: shared by every explorer);
+* ``sender_sync_bytes_per_rank``: the most bytes any rank held for syncs (its shard's
+  snapshot, the builder's scratch; on rank 0 also the packets the fan-out keeps and the largest
+  relayed payload), next to ``full_snapshot_bytes``, the snapshot of the whole model.
+
+``--mode gather`` runs the old way for comparison (every rank gathers the full state each step,
+rank 0 syncs it); more figures go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aiosync.coordination import Synchronizer
+from aiosync.coordination.shards import SHARD_TAG, ShardPeer
+from aiosync.syncers import gather_full_state
+from aiosync.syncers.shard_layout import shard_layout
+from aiosync.syncers.state_dicts import collect_param_names_need_sync, gathered_bytes
+from aiosync.transports.distributed import WeightSyncGroup
+
+
+def weight_syncer(bucket: int) -> dict:
+    return {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd",
+                                       "init_sync": {"enabled": True, "bucket_size": bucket}}}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    """Embedding rows not divisible by the ranks (uneven shards), a one-row gate (rank 1's shard
+    of it is empty), an int64 buffer (whole: rank 0's shard)."""
+
+    def __init__(self, d: int, layers: int, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.gate = nn.Parameter(torch.ones(1, d))
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) * self.gate
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _sha(t: torch.Tensor) -> str:
+    t = t.detach()
+    t = t.to(torch.bfloat16) if t.is_floating_point() else t
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def rows_digest(state, layout: dict) -> dict:
+    """Per key, SHA-256 of the rows ``layout`` names of a full state (bfloat16 for floating tensors)."""
+    return {key: _sha(state[key] if first is None else state[key].narrow(0, first, rows))
+            for key, (first, rows, _, _) in layout.items()}
+
+
+def make_trainer(args, fsdp_group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net(args.d_model, args.layers, args.vocab)
+    mesh = DeviceMesh.from_group(fsdp_group, "cpu")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    rank = dist.get_rank()
+
+    def train_step(step: int) -> None:
+        g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
+        idx = torch.randint(0, args.vocab, (4, 16), generator=g)
+        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), torch.roll(idx, 1, 1).flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.steps.fill_(step)
+
+    return model, train_step
+
+
+async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
+    rank = group.rank
+    model, train_step = make_trainer(args, fsdp_group)
+    names = collect_param_names_need_sync(model)
+    config = {"method": "nccl", "style": "trainer_driven", "sync_weight_no_wait": True,
+              "sync_timeout": args.timeout, "delivery_timeout": args.timeout}
+    ws = weight_syncer(args.bootstrap_bucket)
+    gathered0 = gathered_bytes()
+    report: dict = {}
+    t0 = time.perf_counter()
+    if args.mode == "gather":
+        report = await run_gathered(args, rank, fsdp_group, model, train_step, names, config, ws)
+    elif rank == 0:
+        report = await run_rank0(args, group, fsdp_group, model, train_step, names, config, ws)
+    else:
+        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout) as peer:
+            await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
+            builds0, build_s0 = peer.server.builds, peer.server.build_s
+            for step in range(1, args.steps + 1):
+                await anyio.to_thread.run_sync(train_step, step)
+                await peer.step_done()
+            report["builds"] = peer.server.builds - builds0
+            report["build_s"] = (peer.server.build_s - build_s0) / args.steps
+            report["held"] = peer.server.peak_bytes
+    report["seconds"] = time.perf_counter() - t0
+    report["gathered"] = gathered_bytes() - gathered0
+    # bit-exact, and nothing gathered: every rank hashes its own rows, every explorer the same rows
+    pieces, layout = shard_layout(model.state_dict(), rank, names)
+    report["trainer_rows"] = {key: _sha(t) for key, t in pieces.items()}  # this rank's own rows only
+    report["layout"] = layout
+    return report
+
+
+async def run_rank0(args, group, fsdp_group, model, train_step, names, config, ws) -> dict:
+    peers = [group.transport(r, tag=SHARD_TAG) for r in range(1, group.world_size)]
+    held = 0
+    async with Synchronizer(config, ws) as sync:
+        trainer = await sync.attach_trainer(model, shard_peers=peers)
+        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(args.explorers)]
+        await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
+        shards = sync.shards
+        builds0, build_s0 = shards.builds, shards.build_s
+        async with anyio.create_task_group() as tg:
+            for ex in explorers:
+                tg.start_soon(rollouts, ex)
+            for step in range(1, args.steps + 1):
+                await anyio.to_thread.run_sync(train_step, step)
+                await trainer.step_done()
+                held = max(held, sync.fanout.held_bytes)
+            await trainer.stop()
+        builds, build_s = shards.builds - builds0, (shards.build_s - build_s0) / args.steps
+    m = sync.metrics()
+    print(json.dumps({"rank0": {"fanout": m["fanout"], "relayed_bytes": shards.relayed_bytes,
+                                "relayed_peak": shards.relayed_peak, "shard_peak_bytes": shards.peak_bytes,
+                                "fanout_held_peak": held,
+                                "explorers": {k: {f: r[f] for f in ("delivered", "reinits", "shared", "bytes_sent")}
+                                              for k, r in m["explorers"].items()}}}), file=sys.stderr)
+    return {"builds": builds, "build_s": build_s, "held": shards.peak_bytes + held + shards.relayed_peak,
+            "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
+
+
+async def run_gathered(args, rank, fsdp_group, model, train_step, names, config, ws) -> dict:
+    """The old way: every rank gathers the full state each step; rank 0 syncs the gathered copy."""
+    live = gather_full_state(model, names)
+    full = sum(t.numel() * t.element_size() for t in live.values())  # the gathered copy every rank holds
+    gather_s = 0.0
+
+    def gather() -> dict:
+        nonlocal gather_s
+        t0 = time.perf_counter()
+        out = gather_full_state(model, names)
+        gather_s += time.perf_counter() - t0
+        return out
+
+    if rank != 0:
+        await anyio.to_thread.run_sync(dist.barrier, fsdp_group)
+        for step in range(1, args.steps + 1):
+            await anyio.to_thread.run_sync(train_step, step)
+            await anyio.to_thread.run_sync(gather)
+        return {"builds": 0, "build_s": gather_s / args.steps, "held": full}
+    async with Synchronizer(config, ws) as sync:
+        trainer = await sync.attach_trainer(live)
+        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(args.explorers)]
+        await anyio.to_thread.run_sync(dist.barrier, fsdp_group)
+        builds0 = sync.fanout.builds
+        async with anyio.create_task_group() as tg:
+            for ex in explorers:
+                tg.start_soon(rollouts, ex)
+            for step in range(1, args.steps + 1):
+                await anyio.to_thread.run_sync(train_step, step)
+                live.update(await anyio.to_thread.run_sync(gather))
+                await trainer.step_done()
+            await trainer.stop()
+        lineage = sync.fanout.lineages[0] if sync.fanout.lineages else None
+        snap = 0 if lineage is None else lineage.sender.snapshot.nbytes + lineage.sender.snapshot.scratch_bytes
+        builds = sync.fanout.builds - builds0
+        rows = sync.metrics()["explorers"].values()
+        build_s = sum(r["build_s"]["total"] for r in rows) / max(1, builds)
+    # the copy published each version (MEMORY would copy it; NCCL reads the gathered tensors), the snapshot
+    held = snap + full + sync.fanout.held_bytes
+    return {"builds": builds, "build_s": gather_s / args.steps + build_s, "held": held,
+            "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
+
+
+def rollout_model(args) -> nn.Module:
+    model = Net(args.d_model, args.layers, args.vocab).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the bootstrap must bring it to the trainer's weights
+    return model
+
+
+async def rollouts(explorer) -> None:
+    g = torch.Generator().manual_seed(7)
+    while not explorer.trainer_stopped:
+        async with explorer.lease() as (model, version):
+            idx = torch.randint(0, model.emb.num_embeddings, (2, 8), generator=g)
+            await anyio.to_thread.run_sync(lambda: model(idx).argmax(-1))
+        await explorer.step_done()
+
+
+def summarize(args, reports: list[dict], explorer_states: list) -> dict:
+    elems = {}
+    for r in reports:
+        for key, (first, rows, shape, dtype) in r["layout"].items():
+            elems[key] = (shape, dtype)
+    full_snapshot = 0
+    for shape, dtype in elems.values():
+        n = 1
+        for s in shape:
+            n *= s
+        full_snapshot += n * (2 if "float" in dtype else getattr(torch, dtype).itemsize)
+    bit_exact = True
+    for model_state in explorer_states:
+        for r in reports:
+            bit_exact &= rows_digest(model_state, r["layout"]) == r["trainer_rows"]
+    return {"ranks": len(reports), "explorers": args.explorers, "steps": args.steps, "bit_exact": bool(bit_exact),
+            "gathered_bytes": int(sum(r["gathered"] for r in reports)),
+            "encodes_per_version": sum(r["builds"] for r in reports) / args.steps,
+            "sender_sync_bytes_per_rank": int(max(r["held"] for r in reports)),
+            "full_snapshot_bytes": int(full_snapshot), "seconds": round(max(r["seconds"] for r in reports), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--explorers", type=int, default=2, help="explorers, in rank 0's process")
+    parser.add_argument("--steps", type=int, default=10, help="train steps; a patch sync after each")
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1001, help="embedding rows (odd: uneven shards)")
+    parser.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (RL range)")
+    parser.add_argument("--bootstrap-bucket", type=int, default=1 << 20, help="bytes per bootstrap bucket")
+    parser.add_argument("--mode", choices=("shard", "gather"), default="shard")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait on a peer may take")
+    parser.add_argument("--json", metavar="PATH", help="write the result here too")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    group = WeightSyncGroup.init(backend="gloo", timeout=args.timeout)
+    fsdp_group = dist.new_group(list(range(group.world_size)), backend="gloo")
+    try:
+        report = anyio.run(run, args, group, fsdp_group)
+        explorer_states = report.pop("explorer_rows", [])  # stays here: only the hashes travel
+        reports = [None] * group.world_size
+        dist.all_gather_object(reports, report)
+        if group.rank == 0:
+            result = summarize(args, reports, explorer_states)
+            line = json.dumps(result)
+            print(json.dumps({"mode": args.mode, "build_s_per_version": [round(r["build_s"], 4) for r in reports],
+                              "held_per_rank": [int(r["held"]) for r in reports]}), file=sys.stderr)
+            print(line)
+            if args.json:
+                with open(args.json, "w") as f:
+                    f.write(line + "\n")
+        dist.barrier()
+    finally:
+        group.destroy()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Shard-local patches (issue 16) in one process: the ranks of a sharded trainer are tasks here,
+each holding its pieces as :class:`~aiosync.checkpoints.TensorSlice` s of one full state, linked
+to rank 0 (the synchronizer's) by in-process channels. Real processes and FSDP2: see
+``tests/test_shards_processes.py``.
+
+The full state's values are a pure function of the version, so every check is bit-exact.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+
+from aiosync.checkpoints import TensorSlice
+from aiosync.coordination import Synchronizer
+from aiosync.coordination.shards import ShardPeer
+from aiosync.errors import ApplyError, ConfigError, HandshakeError
+from aiosync.messages import Shared, unshare
+from aiosync.syncers import PatchWeightSyncer
+from aiosync.syncers.patch_handshake import receiver_metadata
+from aiosync.syncers.patch_receiver import receiver_shards
+from aiosync.coordination.protocol import ShardClose, ShardGo
+from aiosync.syncers.payloads import ShardBuild, ShardDone, ShardHello, Stamped
+from aiosync.syncers.shard_layout import shard_layout, shard_rows
+from aiosync.syncers.shards import ShardLink, ShardServer, ShardSet
+from aiosync.transports.inproc import inproc_pair
+from helpers import HANG_GUARD, PATCH, same_bits
+
+pytestmark = pytest.mark.both_loops
+
+#: Rows of dim 0 each shard holds: uneven; the last one holds nothing of the shorter tensors.
+BOUNDS = [(0, 3), (3, 5), (5, 9)]
+NCCL = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=10, delivery_timeout=10)
+
+
+def full(v: int) -> dict[str, torch.Tensor]:
+    """The trainer's whole state at version ``v``: fp32 and fp16 matrices, an fp32 vector, an
+    int64 and a bool buffer, and a scalar (whole, so it belongs to shard 0)."""
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(9, 6, generator=g) * (1 + 0.01 * v), "h": (torch.randn(7, 5, generator=g) + v).half(),
+            "b": torch.randn(4, generator=g) - 0.5 * v, "ids": torch.arange(5, dtype=torch.int64) * (v + 1),
+            "mask": torch.arange(3) < (v % 3), "scale": torch.tensor(1.0 + v)}
+
+
+def pieces(state: dict[str, torch.Tensor], rank: int) -> dict:
+    """What rank ``rank`` holds of ``state``: views of its rows (empty pieces left out)."""
+    lo, hi = BOUNDS[rank]
+    out: dict = {}
+    for key, t in state.items():
+        if t.dim() == 0:
+            if rank == 0:
+                out[key] = t  # whole: a replicated tensor
+            continue
+        a, b = min(lo, t.shape[0]), min(hi, t.shape[0])
+        out[key] = TensorSlice(t[a:b], (a,) + (0,) * (t.dim() - 1), tuple(t.shape))
+    return out
+
+
+def rollout() -> dict[str, torch.Tensor]:
+    """An explorer's copy: floating tensors in bf16, the rest as they are; wrong values."""
+    return {k: torch.full_like(v, 7, dtype=torch.bfloat16) if v.is_floating_point() else torch.zeros_like(v)
+            for k, v in full(0).items()}
+
+
+def holds(model: dict[str, torch.Tensor], v: int) -> bool:
+    want = full(v)
+    return all(same_bits(model[k], want[k].to(model[k].dtype)) for k in want)
+
+
+class Trainer:
+    """One full state, rank 0's pieces, the other ranks' :class:`ShardPeer` s and their channels;
+    ``faulty(payload)`` may drop what a rank sends to rank 0 (returns False to drop)."""
+
+    def __init__(self, faulty=None) -> None:
+        self.state = full(0)
+        self.pairs = [inproc_pair(max_buffer_size=1, timeout=10) for _ in BOUNDS[1:]]
+        self.peers = []
+        for rank, (_, peer_end) in enumerate(self.pairs, start=1):
+            if faulty is not None:
+                peer_end.send = _filtered(peer_end.send, faulty, rank)
+            self.peers.append(ShardPeer(pieces(self.state, rank), peer_end, rank=rank, names=list(self.state),
+                                        timeout=10))
+        self.gates: dict[int, anyio.Event] = {}
+
+    def train_to(self, v: int) -> None:
+        for key, t in full(v).items():
+            self.state[key].copy_(t)
+
+    async def run_peer(self, peer: ShardPeer, steps: int) -> None:
+        async with peer:
+            for step in range(1, steps + 1):
+                await self.gates[step].wait()  # a rank cannot finish a step before rank 0 trains it
+                await peer.step_done()
+
+    async def run(self, steps: int, explorers: int = 2, sync_config: dict | None = None):
+        self.gates = {v: anyio.Event() for v in range(1, steps + 1)}
+        with anyio.fail_after(HANG_GUARD):
+            async with anyio.create_task_group() as tg:
+                for peer in self.peers:
+                    tg.start_soon(self.run_peer, peer, steps)
+                async with Synchronizer(sync_config or NCCL, PATCH) as sync:
+                    trainer = await sync.attach_trainer(pieces(self.state, 0), param_names=list(self.state),
+                                                        shard_peers=[a for a, _ in self.pairs])
+                    found = [await sync.attach_explorer(f"e{i}", rollout()) for i in range(explorers)]
+                    for v in range(1, steps + 1):
+                        self.train_to(v)
+                        self.gates[v].set()
+                        await trainer.step_done()
+                    await trainer.stop()
+        return sync, found
+
+
+def _filtered(send, keep, rank):
+    async def filtered(payload):
+        if keep(rank, payload):
+            await send(payload)
+
+    return filtered
+
+
+async def test_uneven_and_empty_shards_of_mixed_dtypes_reach_two_explorers_bit_exact():
+    t = Trainer()
+    sync, explorers = await t.run(steps=5)
+    for ex in explorers:
+        assert ex.version == 5 and holds(ex.slot.model, 5), ex.name
+    m = sync.metrics()
+    assert m["fanout"]["builds"] == 5  # one sharded patch per version, however many explorers
+    assert m["fanout"]["lineages_created"] == 1 and m["fanout"]["attached"] == 1  # e1 joined e0's: one snapshot
+    rows = m["explorers"]
+    assert rows["e0"]["reinits"] == rows["e1"]["reinits"] == 1
+    assert rows["e0"]["shared"] + rows["e1"]["shared"] == 5  # each version: one line built, the other reused
+    # every shard built on its own rank: a rank's pieces only, whatever the others hold
+    for rank, peer in enumerate(t.peers, start=1):
+        # its shard's patch of each version, built once for both explorers (+ the first explorer's first one)
+        assert peer.server.builds == 5 + 1
+        own = sum(p.tensor.numel() * (2 if p.tensor.is_floating_point() else p.tensor.element_size())
+                  for p in pieces(full(0), rank).values())
+        assert peer.server.snapshot_nbytes == own  # its own rows only, in the explorers' dtypes
+
+
+async def test_explorers_at_one_version_share_one_patch_with_their_own_stamps(monkeypatch):
+    seen: dict[int, list] = {}
+    original = PatchWeightSyncer.stage_payload
+
+    async def spy(self, model, payload):
+        if isinstance(payload, Stamped):
+            inner = unshare(payload.payload)
+            seen.setdefault(inner.version, []).append((payload.session, inner))
+        return await original(self, model, payload)
+
+    monkeypatch.setattr(PatchWeightSyncer, "stage_payload", spy)
+    _, explorers = await Trainer().run(steps=4)
+    assert all(holds(ex.slot.model, 4) for ex in explorers)
+    for v in range(1, 5):
+        (s0, p0), (s1, p1) = seen[v]
+        assert p0 is p1 and s0 != s1  # one object (encoded once), a stamp per explorer beside it
+        assert len(p0.shards) == len(BOUNDS) and all(isinstance(part, Shared) for part in p0.shards)
+
+
+async def test_a_lost_shard_patch_is_repaired_for_that_version_only():
+    lost = []
+
+    def keep(rank, payload):  # rank 2's patch of version 3 never reaches rank 0
+        if rank == 2 and isinstance(payload, Shared) and payload.value.version == 3:
+            lost.append(payload.value.version)
+            return False
+        return True
+
+    sync, explorers = await Trainer(keep).run(steps=6, explorers=1)
+    (ex,) = explorers
+    line = sync.explorers["e0"].line.stats
+    assert lost == [3]
+    assert ex.version == 6 and holds(ex.slot.model, 6)
+    assert line.failed == 1 and line.repairs == 1 and line.reinits == 2  # the first bootstrap, one repair
+    applied = line.versions_applied
+    assert 3 not in applied and applied[-3:] == [4, 5, 6], applied  # repaired at the next step, then patches
+
+
+async def test_a_shard_write_that_fails_rolls_back_every_shard():
+    state, step = full(0), [0]
+    names = list(state)
+    async with anyio.create_task_group() as tg:
+        links = []
+        for rank in range(1, len(BOUNDS)):
+            a, b = inproc_pair(max_buffer_size=1, timeout=5)
+            server = ShardServer(rank, lambda rank=rank: pieces(state, rank), names, b.send, lambda: step[0])
+            links.append(ShardLink(rank, a.send, a.recv, server.hello().pieces))
+            tg.start_soon(_serve, server, b)
+        shards = ShardSet(lambda: pieces(state, 0), names, links, PATCH, lambda: step[0], timeout=5)
+        sender, receiver, model = shards.make(bootstrap=True), PatchWeightSyncer(), rollout()
+        x, y = inproc_pair(timeout=5)
+        async with anyio.create_task_group() as pair:
+            pair.start_soon(sender.init_sender, pieces(state, 0), names, x.send, x.recv)
+            await receiver.init_receiver(model, y.recv, y.send)
+        assert holds(model, 0) and len(receiver._rx.shards) == len(BOUNDS)
+        calls = []
+
+        def fail_late(i, n):  # a tensor of the last shard fails, after the other shards were written
+            calls.append((i, n))
+            if len(calls) == 8:
+                raise RuntimeError("injected write failure")
+
+        receiver.after_each_write = fail_late
+        for key, t in full(1).items():
+            state[key].copy_(t)
+        step[0] = 1
+        await sender.sync(pieces(state, 0), x.send, 1)
+        with pytest.raises(ApplyError, match="injected write failure"):
+            await receiver.apply(model, y.recv)
+        assert len(calls) == 8 and receiver.version is None  # the commit did not happen...
+        assert holds(model, 0)  # ...and nothing of version 1 stayed written, in any shard
+        tg.cancel_scope.cancel()
+
+
+async def _serve(server: ShardServer, end) -> None:
+    while True:
+        await server.handle(await end.recv())
+
+
+async def test_a_command_for_a_step_a_rank_has_not_reached_waits_for_it():
+    to_rank0, peer_end = inproc_pair(timeout=10)
+    peer = ShardPeer(pieces(full(0), 1), peer_end, rank=1, names=list(full(0)), timeout=10)
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            async with peer:
+                assert isinstance(await to_rank0.recv(), ShardHello)
+                # rank 0 reached its check point of step 1 first: this rank still trains step 1
+                await to_rank0.send(ShardBuild(7, 1, 1))
+                await wait_all_tasks_blocked()
+                with pytest.raises(anyio.WouldBlock):
+                    to_rank0._rx.receive_nowait()  # not refused as out of step: it waits
+                tg.start_soon(peer.step_done)  # this rank reaches step 1: now the command runs
+                done = await to_rank0.recv()
+                assert isinstance(done, ShardDone) and not done.ok and "no sender 7" in done.error  # run, at step 1
+                await to_rank0.send(ShardGo(1))
+                await to_rank0.send(ShardClose())
+
+
+async def test_a_command_for_another_step_is_refused():
+    state = full(0)
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    server = ShardServer(1, lambda: pieces(state, 1), list(state), send, lambda: 4)
+    await server.handle(ShardBuild(1, 3, 3))
+    (done,) = sent
+    assert not done.ok and "step 4" in done.error and "step 3" in done.error
+
+
+def test_pieces_must_tile_every_tensor():
+    state = full(0)
+    good = [shard_layout(pieces(state, r), r, list(state))[1] for r in range(len(BOUNDS))]
+    assert good[2].get("b") is None and good[2].get("mask") is None  # empty pieces are left out
+    gap = [good[0], good[2]]  # rows 3..5 of w belong to nobody
+    with pytest.raises(ConfigError, match="not covered exactly once"):
+        shard_rows(gap)
+    with pytest.raises(ConfigError, match="whole in one shard and also"):
+        shard_rows([good[0], {**good[1], "scale": good[0]["scale"]}, good[2]])
+    block = {"w": TensorSlice(state["w"][:, :3], (0, 0), (9, 6))}
+    with pytest.raises(ConfigError, match="whole rows"):
+        shard_layout(block, 1, ["w"])
+
+
+def test_a_receiver_refuses_a_shard_table_that_does_not_fit_it():
+    model = rollout()
+    meta = receiver_metadata(model, 5)
+    table = [{"rows": {"w": [0, 4]}, "synced": [0], "init_sync": False}, {"rows": {"w": [5, 4]}, "synced": [0],
+                                                                            "init_sync": False}]
+    with pytest.raises(HandshakeError, match="rows of 'w'"):
+        receiver_shards(model, meta, table, 5)
+    table[1]["rows"]["w"] = [4, 5]
+    table[1]["synced"] = [3]
+    with pytest.raises(HandshakeError, match="synced ordinals"):
+        receiver_shards(model, meta, table, 5)
+
+
+async def test_a_sharded_trainer_needs_the_nccl_method_and_a_patch_syncer():
+    a, _ = inproc_pair(timeout=1)
+    async with Synchronizer(dict(method="memory"), PATCH) as sync:
+        with pytest.raises(ConfigError, match="method: nccl"):
+            await sync.attach_trainer(pieces(full(0), 0), param_names=list(full(0)), shard_peers=[a])
+    async with Synchronizer(dict(method="nccl"), {"type": "bucket"}) as sync:
+        with pytest.raises(ConfigError, match="patch weight_syncer"):
+            await sync.attach_trainer(pieces(full(0), 0), param_names=list(full(0)), shard_peers=[a])
