@@ -15,6 +15,7 @@ from typing import Any, Callable
 import anyio
 import torch
 
+from aiosync.errors import PeerTimeoutError
 from aiosync.transports.base import Transport
 from aiosync.transports.inproc import inproc_pair
 
@@ -134,6 +135,19 @@ def gated(gate: Gate, holds: Callable[[Any], bool]):
         return GatedTransport(a, gate, holds), b
 
     return factory
+
+
+def recv_from(items) -> Callable[[], Any]:
+    """A ``recv`` that returns ``items`` one by one, then raises PeerTimeoutError (a silent peer)."""
+    it = iter(list(items))
+
+    async def recv():
+        try:
+            return next(it)
+        except StopIteration:
+            raise PeerTimeoutError("nothing more arrives") from None
+
+    return recv
 
 
 async def settle(n: int = 20) -> None:

@@ -28,10 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from aiosync.errors import AiosyncError, PeerTimeoutError  # noqa: E402
+from aiosync.errors import AiosyncError  # noqa: E402
 from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer  # noqa: E402
 from aiosync.syncers.payloads import CompressedWeightPatch, WeightPatch  # noqa: E402
 from aiosync.transports.inproc import inproc_pair  # noqa: E402
+from helpers import recv_from  # noqa: E402,F401 - also used by test_fuzz through this module
 
 #: Documented in docs/guarantees.md: a payload can raise a receiver's peak memory by at most
 #: PER_CHANGE bytes per changed element it declares, plus FIXED.
@@ -55,18 +56,6 @@ def state(v: int, big: int = 0) -> dict[str, torch.Tensor]:
 
 def receiver_model(v: int = 0, big: int = 0) -> dict[str, torch.Tensor]:
     return {k: (t.to(torch.bfloat16) if k == "w" else t.clone()) for k, t in state(v, big).items()}
-
-
-def recv_from(items):
-    it = iter(items)
-
-    async def recv():
-        try:
-            return next(it)
-        except StopIteration:
-            raise PeerTimeoutError("nothing more arrives") from None
-
-    return recv
 
 
 def prepared_patch(encoding: str, compression: str, big: int = 0, checksums: bool = False):

@@ -24,7 +24,7 @@ from aiosync.syncers.bucket_format import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY
 from aiosync.syncers.config import WeightSyncerConfig
 from aiosync.syncers.integrity import decode_manifest, tensor_checksum
 from aiosync.syncers.payloads import EmptyWeightPatch, SenderHello, WeightPatch
-from helpers import bits
+from helpers import bits, recv_from
 
 FORMATS = [("coo", True), ("flat", False)]
 
@@ -409,18 +409,6 @@ async def bucket_round(bucket_size=200, checksums=False, load_instant=True):
     return r, dst, sent
 
 
-def feed(items):
-    it = iter(items)
-
-    async def recv():
-        try:
-            return next(it)
-        except StopIteration:
-            raise PeerTimeoutError("nothing more arrives") from None
-
-    return recv
-
-
 async def test_the_first_bucket_carries_a_manifest_of_every_bucket():
     r, dst, sent = await bucket_round()
     manifest = decode_manifest(sent[0][MANIFEST_KEY])
@@ -428,7 +416,7 @@ async def test_the_first_bucket_carries_a_manifest_of_every_bucket():
     for entries, bucket in zip(manifest, sent):
         assert {n for n, _, _ in entries} == {k for k in bucket if not k.startswith("__aiosync__.")}
     assert all(MANIFEST_KEY not in b for b in sent[1:])
-    assert await r.apply(dst, feed(sent)) == 1 and holds(dst, 1)
+    assert await r.apply(dst, recv_from(sent)) == 1 and holds(dst, 1)
 
 
 @pytest.mark.parametrize("load_instant", [True, False])
@@ -467,7 +455,7 @@ async def test_bad_buckets_raise_clear_errors_before_loading(case, load_instant)
         err, bad_at = PayloadError, 0
     before = snapshot(dst)
     with pytest.raises(err):
-        await r.apply(dst, feed(sent))
+        await r.apply(dst, recv_from(sent))
     if bad_at == 0 or not load_instant:
         assert same(before, dst)  # nothing was loaded
     assert r.version in (0, 5)
@@ -488,7 +476,7 @@ async def test_a_bucket_whose_int_dtype_differs_from_the_receiver_is_refused_up_
     await s.sync(src, collect, 1)
     before = snapshot(dst)
     with pytest.raises(HandshakeError, match="'step'.*int32.*int64"):
-        await r.apply(dst, feed(sent))
+        await r.apply(dst, recv_from(sent))
     assert same(before, dst)
 
 
@@ -503,23 +491,23 @@ async def test_bucket_checksums_catch_corruption_before_loading_the_bucket(load_
     bad[0][k] = t
     before = snapshot(dst)
     with pytest.raises(ChecksumError):
-        await r.apply(dst, feed(bad))
+        await r.apply(dst, recv_from(bad))
     assert same(before, dst) and r.version is None
-    assert await r.apply(dst, feed(sent)) == 1 and holds(dst, 1)
+    assert await r.apply(dst, recv_from(sent)) == 1 and holds(dst, 1)
 
 
 async def test_a_bucket_receiver_that_wants_checksums_refuses_buckets_without():
     r, dst, sent = await bucket_round(checksums=False)
     r.config.verify_checksums = True
     with pytest.raises(PayloadError, match="no checksum"):
-        await r.apply(dst, feed(sent))
+        await r.apply(dst, recv_from(sent))
 
 
 async def test_a_bucket_stream_that_breaks_off_reports_a_timeout():
     r, dst, sent = await bucket_round(load_instant=False)
     before = snapshot(dst)
     with pytest.raises(PeerTimeoutError):
-        await r.apply(dst, feed(sent[:-1]))
+        await r.apply(dst, recv_from(sent[:-1]))
     assert same(before, dst)  # load_instant: false holds everything until the last bucket
 
 
@@ -530,7 +518,7 @@ async def test_a_bucket_load_that_raises_half_way_propagates():
     flaky = FlakyBucketSyncer(bucket_size=200)
     flaky.faults = faults
     with pytest.raises(RuntimeError, match="injected"):
-        await flaky.apply(dst, feed(sent))
+        await flaky.apply(dst, recv_from(sent))
     assert flaky.version is None  # the version never moves for a partial load
 
 

@@ -19,10 +19,10 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import bits, same_bits
+from helpers import bits, recv_from, same_bits
 from torch import nn
 
-from aiosync.errors import ApplyError, DriftError, PatchChainError, PayloadError, PeerTimeoutError, VersionError
+from aiosync.errors import ApplyError, DriftError, PatchChainError, PayloadError, VersionError
 from aiosync.syncers import BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, StagedWrite, WeightPatch
 from aiosync.syncers.bucket_format import META_PREFIX, load_into
 from aiosync.syncers.faults import ApplyFaults, FlakyBucketSyncer, FlakyPatchSyncer
@@ -36,18 +36,6 @@ def snap(sd) -> dict[str, torch.Tensor]:
 
 def same_state(a, b) -> bool:
     return a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
-
-
-def feed(items):
-    it = iter(list(items))
-
-    async def recv():
-        try:
-            return next(it)
-        except StopIteration:
-            raise PeerTimeoutError("nothing more arrives") from None
-
-    return recv
 
 
 def collector():
@@ -166,14 +154,14 @@ async def test_a_refused_bucket_sync_raises_at_stage():
     await s.sync(src, send, 1)
     r.version = 1
     with pytest.raises(VersionError):
-        await r.stage(dst, feed(sent))
+        await r.stage(dst, recv_from(sent))
     r.version = None
     bad = [dict(p) for p in sent]
     bad[-1]["w"] = bad[-1]["w"][:-1]
     with pytest.raises(PayloadError):
-        await r.stage(dst, feed(bad))
+        await r.stage(dst, recv_from(bad))
     assert torch.equal(dst["w"], torch.zeros(16, 8))
-    staged = await r.stage(dst, feed(sent))
+    staged = await r.stage(dst, recv_from(sent))
     assert torch.equal(dst["w"], torch.zeros(16, 8)) and r.version is None
     assert await staged.write(dst) == 1 and torch.equal(dst["w"], src["w"])
 
@@ -224,7 +212,7 @@ async def test_the_flaky_syncers_fail_half_way_through_a_staged_write_and_roll_b
         await s.init_sender(src, None, None)
         sent, send = collector()
         await s.sync(src, send, 1)
-        staged = await r.stage(dst, feed(sent))
+        staged = await r.stage(dst, recv_from(sent))
     r.faults = faults
     faults.enabled = True
     written: list[bool] = []
@@ -260,7 +248,7 @@ async def test_bucket_staged_writes_are_bit_exact_on_tied_and_non_contiguous_rec
         sent, send = collector()
         await s.sync(src.state_dict(), send, version)
         before = snap(dst.state_dict())
-        staged = await r.stage(dst, feed(sent))
+        staged = await r.stage(dst, recv_from(sent))
         assert same_state(before, dst.state_dict())
         for p in sent:
             load_into(oracle.state_dict(), {k: v for k, v in p.items() if not k.startswith(META_PREFIX)})
@@ -365,7 +353,7 @@ async def test_bucket_payloads_hold_the_values_of_the_call_time():
         for k, v in p.items():
             if not k.startswith(META_PREFIX):
                 assert v.untyped_storage().data_ptr() != src[k].untyped_storage().data_ptr(), k
-    assert await r.apply(dst, feed(sent)) == 1
+    assert await r.apply(dst, recv_from(sent)) == 1
     assert same_state(dst, at_sync)
 
 
