@@ -5,7 +5,7 @@ dtype, or fp32 cast to bf16 on the fly) with the snapshot. Comparing raw bits, n
 makes NaN == NaN when the bits are equal and 0.0 != -0.0 (B2).
 
 The builder kernels run in two passes over each group of 64-element blocks. A branch-free
-compare builds a 64-bit change mask per block (a loop the compiler vectorises) and flattens
+compare builds a 64-bit change mask per block (:mod:`.kernels_simd`: one vector compare) and flattens
 its set bits into positions with popcount and count-trailing-zeros, with no data-dependent
 branch when a block holds at most four changes (nearly all of them at RL densities). Then
 a loop with a predictable trip count visits only those positions, while their cache lines
@@ -20,6 +20,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
+
+from .kernels_simd import PREFETCH_BLOCKS, change_mask, prefetch_block
 
 
 @intrinsic
@@ -131,8 +133,15 @@ def mix64(pos, old):  # pragma: no cover - compiled
 # (measured best between 16 and 32: large enough to amortise the switch, small enough that
 # the blocks' cache lines are still in L1).
 GROUP_BLOCKS = 16
-# The mask loop is written out in each kernel rather than shared: moved into a numba
-# ``inline="always"`` helper it was no longer vectorised (measured twice as slow).
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _tail_mask(src, snap, s, e, fused):  # pragma: no cover - compiled
+    """The change mask of a last, partial block ``[s, e)`` (full blocks: :func:`change_mask`)."""
+    m = np.uint64(0)
+    for i in range(e - s):
+        m |= np.uint64(np.uint64(_load(src, s + i, fused)) != np.uint64(snap[s + i])) << np.uint64(i)
+    return m
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -153,13 +162,9 @@ def diff_update(src, snap, fused, out_pos, out_new, out_old, base):  # pragma: n
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        m = np.uint64(0)  # the block's change mask: branch-free, vectorised
-        if fused:
-            for i in range(e - s):
-                m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
-        else:
-            for i in range(e - s):
-                m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
+        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
+        m = change_mask(src, snap, s) if e - s == 64 else _tail_mask(src, snap, s, e, fused)
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
             for q in range(cnt):
@@ -396,13 +401,9 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc, base=0):  # pragma: no c
     for b in range(nblocks):
         s = b * 64
         end = min(n, s + 64)
-        m = np.uint64(0)  # the block's change mask: branch-free, vectorised
-        if fused:
-            for i in range(end - s):
-                m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
-        else:
-            for i in range(end - s):
-                m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
+        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
+        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
+        m = change_mask(src, snap, s) if end - s == 64 else _tail_mask(src, snap, s, end, fused)
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
             if k == 0 and cnt > 0:

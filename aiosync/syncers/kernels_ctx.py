@@ -13,8 +13,8 @@ chosen by the old value's exponent. See docs/wire-format.md ("ctx") for the layo
   :func:`~aiosync.syncers.kernels.diff_encode_flat`), update it, and emit one record per change
   (class-local gap, context byte, value code), plus the drift hash and the statistics the next
   build picks its thresholds from.
-* :func:`count_symbols` / :func:`encode_segment` — histograms of the records' symbols, and the
-  rANS coding of one segment's records (:mod:`aiosync.syncers.rans`).
+* :func:`count_symbols` / :func:`encode_segment` — histograms of the records' symbols (the
+  numba builder counts them as it records), and the rANS coding of one segment's records (:mod:`aiosync.syncers.rans`).
 * :func:`decode_segment` — the receiver: classify its own old values, decode positions and
   value codes; every malformation is a negative return code, nothing is written.
 * :func:`write_codes` / :func:`restore_codes` — the receiver's write (old bits journaled and
@@ -31,6 +31,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from .kernels import GROUP_BLOCKS, _cast_bf16, _flatten, _load, _popcount64, _tz64, _width, _zigzag, mix64, unzigzag
+from .kernels_simd import PREFETCH_BLOCKS, change_mask, ge_mask, prefetch_block
 from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
 
 N_CLASSES = 4
@@ -107,7 +108,8 @@ def _class_masks(a1, a2, a3, valid):  # pragma: no cover - compiled
 
 # ------------------------------------------------------------------ the builder
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, hc, hn_delta, base):  # pragma: no cover
+def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, hc, hn_delta, base, hist,
+             wslot):  # pragma: no cover
     """Diff one segment, update ``snap``, record every change in position order.
 
     ``src``/``snap``/``fused`` as in :func:`~aiosync.syncers.kernels.diff_update`; ``thr`` holds
@@ -118,7 +120,8 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     value code). ``counts[c]`` counts the changes per class; ``hc[bin]`` the changes by the old
     value's exponent bin and ``hn_delta`` the moves between bins (the sender's statistics).
     Returns ``(changes, drift hash)``; the hash sums :func:`mix64` of ``base + j`` and the old
-    bits over the changes, modulo 2**64.
+    bits over the changes, modulo 2**64. The records' symbols are added to ``hist`` as
+    :func:`count_symbols` would (``wslot``: the width's table slot), in the same pass.
     """
     width = _width(snap)
     n = snap.shape[0]
@@ -133,6 +136,8 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     prev = np.full(N_CLASSES, -1, np.int64)  # class-local index of each class's previous change
     for c in range(N_CLASSES):
         counts[c] = 0
+    tg = wslot * N_CLASSES
+    tv = 4 * N_CLASSES + wslot * N_VCTX
     one = np.uint64(1)
     cnt = 0
     k = 0
@@ -141,23 +146,17 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        m = np.uint64(0)  # the block's change mask and class masks: branch-free, vectorised
+        m = np.uint64(0)  # the block's change mask and class masks
         a1 = np.uint64(0)
         a2 = np.uint64(0)
         a3 = np.uint64(0)
-        if e - s == 64:  # separate loops: each single-reduction loop vectorises, a joint one does not
-            if fused:
-                for i in range(64):
-                    m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
-            else:
-                for i in range(64):
-                    m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
-            for i in range(64):
-                a1 |= np.uint64((snap[s + i] & msk) >= t1) << np.uint64(i)
-            for i in range(64):
-                a2 |= np.uint64((snap[s + i] & msk) >= t2) << np.uint64(i)
-            for i in range(64):
-                a3 |= np.uint64((snap[s + i] & msk) >= t3) << np.uint64(i)
+        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
+        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
+        if e - s == 64:  # vector compares (kernels_simd)
+            m = change_mask(src, snap, s)
+            a1 = ge_mask(snap, s, msk, t1)
+            a2 = ge_mask(snap, s, msk, t2)
+            a3 = ge_mask(snap, s, msk, t3)
             valid = np.uint64(0xFFFFFFFFFFFFFFFF)
         else:
             for i in range(e - s):
@@ -188,10 +187,17 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
                 o = np.uint64(snap[j])
                 snap[j] = h
                 hsum += mix64(base + j, o)
-                rec_gap[k] = rank - prev[c] - 1
+                gap = rank - prev[c] - 1
+                rec_gap[k] = gap
                 prev[c] = rank
-                rec_ctx[k] = np.uint8(c | (value_ctx(o, mmask, mant_bits, vtop) << 2))
-                rec_z[k] = _zigzag(h, o, width)
+                vc = value_ctx(o, mmask, mant_bits, vtop)
+                rec_ctx[k] = np.uint8(c | (vc << 2))
+                zz = _zigzag(h, o, width)
+                rec_z[k] = zz
+                sg, _ = symbol_of(np.uint64(gap))
+                hist[tg + c, sg] += 1
+                sv, _ = symbol_of(np.uint64(zz) - one)
+                hist[tv + vc, sv] += 1
                 counts[c] += 1
                 bo = exp_bin(o, mmask, mant_bits, bias)
                 hc[bo] += 1
@@ -352,13 +358,11 @@ def decode_segment(old, buf, p0, pm, p1, thr, mm, stat, counts, slots, freq, sta
         a1 = np.uint64(0)
         a2 = np.uint64(0)
         a3 = np.uint64(0)
+        prefetch_block(old, s + PREFETCH_BLOCKS * 64)
         if e - s == 64:
-            for i in range(64):
-                a1 |= np.uint64((old[s + i] & msk) >= t1) << np.uint64(i)
-            for i in range(64):
-                a2 |= np.uint64((old[s + i] & msk) >= t2) << np.uint64(i)
-            for i in range(64):
-                a3 |= np.uint64((old[s + i] & msk) >= t3) << np.uint64(i)
+            a1 = ge_mask(old, s, msk, t1)
+            a2 = ge_mask(old, s, msk, t2)
+            a3 = ge_mask(old, s, msk, t3)
             valid = np.uint64(0xFFFFFFFFFFFFFFFF)
         else:
             for i in range(e - s):

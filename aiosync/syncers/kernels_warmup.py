@@ -69,10 +69,10 @@ def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
     counts, hc, hd = np.zeros(4, np.int64), np.zeros(kc.BINS, np.int64), np.zeros(kc.BINS, np.int64)
     sources = [(new, False)] + ([(np.ones(n, np.uint32), True)] if w == 2 else [])
     for src, fused in reversed(sources):  # the plain source last: its records are coded below
-        k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0)
+        hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
+        k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0, hist, WIDTH_SLOT[w])
     kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
-    hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
-    kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], hist)
+    kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
     _, freqs, tmap = build_tables([hist])
     bufg, bufv = np.empty(8 + 20 * (k + 4), np.uint8), np.empty(8 + 20 * (k + 4), np.uint8)
     pg, pv = kc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], bufg, bufv)

@@ -221,12 +221,9 @@ class CtxBuilder:
         counts = np.zeros(kc.N_CLASSES, np.int64)
         hc = np.zeros(kc.BINS, np.int64)
         hn_delta = np.zeros(kc.BINS, np.int64)
+        hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
         k, h = kc.diff_ctx(src, snap_np[start:end], fused, thr, mm, model.stat(), gap, ctx, z, counts, hc,
-                           hn_delta, start)
-        hist = None
-        if k:
-            hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
-            kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[width], hist)
+                           hn_delta, start, hist, WIDTH_SLOT[width])
         seg = Segment(start, k, counts, gap[:k].copy(), ctx[:k].copy(), z[:k].copy())
         return seg, int(h), hc, hn_delta, hist
 
