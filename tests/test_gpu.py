@@ -392,3 +392,71 @@ async def main():
 
 anyio.run(main)
 '''
+
+
+# ------------------------------------------------------------------ item 5: the fused, packed builder
+
+def _edge_and_random(n: int, seed: int) -> torch.Tensor:
+    from test_builder_packed import edge_floats
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([edge_floats(), torch.randn(n, generator=g)])
+
+
+@pytest.mark.parametrize("src_dtype,snap_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                                  (torch.int64, torch.int64), (torch.bool, torch.bool)])
+def test_the_fused_builder_equals_the_torch_ops_bit_for_bit(src_dtype, snap_dtype):
+    pytest.importorskip("triton", reason="triton is not installed")
+    from aiosync.syncers import snapshot_cuda
+
+    assert snapshot_cuda.fused_ok(torch.device(DEV, torch.cuda.current_device()))  # compiled, self-checked
+
+    def sources():
+        out = [_edge_and_random(5000, 1), _edge_and_random(3, 2), _edge_and_random(1 << 20, 3), torch.randn(1)]
+        return [(t > 0) if src_dtype == torch.bool else (t * 100).to(src_dtype) if src_dtype == torch.int64
+                else t.to(src_dtype) for t in out]
+
+    results = []
+    for backend in ("fused", "torch"):
+        srcs = [s.to(DEV) for s in sources()]
+        snaps = [torch.zeros(s.numel(), dtype=snap_dtype, device=DEV) for s in srcs]
+        snaps[2].copy_(srcs[2].to(snap_dtype))
+        snaps[2][::7] = snaps[2][1::7]
+        out = snapshot_cuda.diff_groups(list(zip(srcs, snaps)), group_elems=1 << 19, backend=backend)
+        results.append([x.cpu() for r in out for x in r] + [s.cpu() for s in snaps])
+        if backend == "fused" and snap_dtype == torch.bfloat16:  # what a bucket (torch's cast) delivers
+            for (pos, nv, _), s in zip(out, srcs):
+                assert torch.equal(nv, s.to(torch.bfloat16).view(torch.int16)[pos])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _syncs_of_a_build(n: int, snapshot_device: str) -> int:
+    import warnings
+
+    tensors = [torch.randn(1000 + i, device=DEV) for i in range(n)]
+    snap = Snapshot(snapshot_device)
+    snap.load(tensors, [torch.bfloat16] * n)
+    for t in tensors:
+        t[::5] += 1.0
+    snap.diff(tensors, "cpu")  # warm-up: kernels compiled, self-check done
+    for t in tensors:
+        t[1::5] += 1.0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            diffs = snap.diff(tensors, "cpu")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    snap.staged_event.synchronize()
+    assert len(diffs) == n
+    snap.close()
+    return len([w for w in caught if "synchroniz" in str(w.message)])
+
+
+@pytest.mark.parametrize("snapshot_device", [DEV, "cpu"])
+def test_host_syncs_of_a_packed_build_do_not_grow_with_the_tensor_count(snapshot_device):
+    few, many = _syncs_of_a_build(20, snapshot_device), _syncs_of_a_build(200, snapshot_device)
+    assert many == few, f"{few} host syncs for 20 tensors, {many} for 200"

@@ -16,6 +16,7 @@ Comparisons are on raw bits (B2): NaN equal to itself bit for bit counts as unch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -165,11 +166,19 @@ class Snapshot:
         self.wait_writeback()
         pin = self.device.type == "cpu" and torch.cuda.is_available() and any(t.is_cuda for t in tensors)
         old_block, self._pinned = self._pinned, None
+        # One buffer per dtype, slots back to back in slot order: a group of tensors of one dtype
+        # is one contiguous slice (the packed builder, one prefetch copy per group).
+        kinds = list(dict.fromkeys(dtypes))
+        totals = {dt: sum(t.numel() for t, d in zip(tensors, dtypes) if d == dt) for dt in kinds}
         if pin:  # one pageable block of exactly the snapshot's size, registered with CUDA (W13)
-            self._pinned = PinnedBlock([t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes)])
-            snaps = [self._pinned.view(i, dt) for i, dt in enumerate(dtypes)]
+            self._pinned = PinnedBlock([totals[dt] * dt.itemsize for dt in kinds])
+            buffers = {dt: self._pinned.view(k, dt) for k, dt in enumerate(kinds)}
         else:
-            snaps = [torch.empty(t.numel(), dtype=dt, device=self.device) for t, dt in zip(tensors, dtypes)]
+            buffers = {dt: torch.empty(totals[dt], dtype=dt, device=self.device) for dt in kinds}
+        snaps, at = [], dict.fromkeys(kinds, 0)
+        for t, dt in zip(tensors, dtypes):
+            snaps.append(buffers[dt][at[dt]:at[dt] + t.numel()])
+            at[dt] += t.numel()
         for s, t in zip(snaps, tensors):
             s.copy_(t.detach().reshape(-1))
         self._snaps = snaps
@@ -207,7 +216,7 @@ class Snapshot:
             if self.kernel == "torch":  # the CUDA builder's algorithm, on CPU
                 from .snapshot_cuda import diff_groups
 
-                pairs = [(as_bits(self._cast(by_slot[i], i)), as_bits(self._snaps[i])) for i in cpu_slots]
+                pairs = [(by_slot[i].detach().reshape(-1), self._snaps[i]) for i in cpu_slots]
                 for i, (pos, nv, ov) in zip(cpu_slots, diff_groups(pairs)):
                     results.append(TensorDiff(i, pos, nv, ov))
             else:
@@ -217,12 +226,12 @@ class Snapshot:
         results.sort(key=lambda d: d.slot)
         return [d for d in results if d.nnz]
 
-    def _cast(self, src: torch.Tensor, slot: int, device: torch.device | None = None) -> torch.Tensor:
-        snap = self._snaps[slot]
+    @staticmethod
+    def _flat(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``src`` flat, on ``device`` (a copy only where it lives elsewhere or is not contiguous);
+        the cast to the snapshot's dtype is the builder's (fused or packed per group)."""
         flat = src.detach().reshape(-1)
-        if device is not None and flat.device != device:
-            flat = flat.to(device, non_blocking=True)
-        return flat if flat.dtype == snap.dtype else flat.to(snap.dtype)
+        return flat if flat.device == device else flat.to(device, non_blocking=True)
 
     # CPU: numba kernel over chunks on a thread pool ----------------------------
     def _pool_get(self) -> ThreadPoolExecutor:
@@ -416,9 +425,10 @@ class Snapshot:
 
     # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
     def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:
-        """Groups of tensors per host synchronisation (:mod:`.snapshot_cuda`), on the caller's
-        stream; a CPU snapshot's next group is prefetched on one side copy stream per device."""
-        from .snapshot_cuda import GROUP_ELEMS, diff_groups
+        """Packed groups of tensors (:mod:`.snapshot_cuda`) on the caller's stream; a CPU
+        snapshot's next group is prefetched (one copy per contiguous run) on one side copy stream
+        per device; results are staged to pinned memory once per group."""
+        from .snapshot_cuda import contiguous_run, diff_group, plan, split
 
         dev = next((t.device for t in tensors.values() if t.is_cuda), None) or next(
             s.device for s in self._snaps if s.is_cuda)
@@ -426,51 +436,56 @@ class Snapshot:
         copy_stream = self._copy_streams.get(dev)
         if copy_stream is None:
             copy_stream = self._copy_streams[dev] = torch.cuda.Stream(dev)
-        groups: list[list[int]] = [[]]
-        filled = 0
-        for slot in slots:
-            n = self._snaps[slot].numel()
-            if groups[-1] and filled + n > GROUP_ELEMS:
-                groups.append([])
-                filled = 0
-            groups[-1].append(slot)
-            filled += n
+        pairs = [(self._flat(tensors[s], dev), self._snaps[s]) for s in slots]
+        groups = plan(pairs)
 
-        def prefetch(group: list[int]):
-            host = [s for s in group if not self._snaps[s].is_cuda]
-            if not host:
-                return {}, None
+        def prefetch(group):
+            pieces = [pairs[p.pair][1][p.start:p.end] for p in group]
+            if pieces[0].is_cuda:
+                return pieces, None
             with torch.cuda.stream(copy_stream):
-                on_gpu = {s: self._snaps[s].to(dev, non_blocking=True) for s in host}
+                run = contiguous_run(pieces)
+                if run is not None:
+                    on_gpu = run.to(dev, non_blocking=True)
+                    pieces, at = [], 0
+                    for p in group:
+                        pieces.append(on_gpu[at:at + p.end - p.start])
+                        at += p.end - p.start
+                else:
+                    pieces = [x.to(dev, non_blocking=True) for x in pieces]
                 ev = torch.cuda.Event()
                 ev.record(copy_stream)
-            return on_gpu, ev
+            return pieces, ev
 
-        diffs: list[TensorDiff] = []
-        writebacks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        nxt = prefetch(groups[0])
+        found = []
+        nxt = prefetch(groups[0]) if groups else None
         for k, group in enumerate(groups):
-            on_gpu, ev = nxt
+            snaps, ev = nxt
             if k + 1 < len(groups):
                 nxt = prefetch(groups[k + 1])
             if ev is not None:
                 compute.wait_event(ev)
-                for t in on_gpu.values():
+                for t in snaps:
                     t.record_stream(compute)
-            pairs = [(as_bits(self._cast(tensors[s], s, dev)), as_bits(on_gpu.get(s, self._snaps[s]))) for s in group]
-            for slot, (pos, nv, ov) in zip(group, diff_groups(pairs)):
-                if pos.numel() == 0:
-                    continue
-                if out_device.type == "cpu":
-                    staged = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (pos, nv, ov)]
-                    for dst, src in zip(staged, (pos, nv, ov)):
-                        dst.copy_(src, non_blocking=True)
-                    pos_o, nv_o, ov_o = staged
-                else:
-                    pos_o, nv_o, ov_o = pos, nv, ov
-                diffs.append(TensorDiff(slot, pos_o, nv_o, ov_o))
-                if not self._snaps[slot].is_cuda:
-                    writebacks.append((slot, pos_o, nv_o))
+            d = diff_group(pairs, group, snaps=snaps)
+            if d is not None:
+                found.append(d)
+        if out_device.type == "cpu":  # three pinned copies per group; a large tensor's pieces staged joined
+            staged = [dataclasses.replace(d, positions=_stage(d.positions), new_bits=_stage(d.new_bits),
+                                          old_bits=_stage(d.old_bits)) for d in found]
+            results = split(pairs, staged, join=lambda parts: None)
+            if any(r is None for r in results):
+                results = [r or tuple(_stage(x) for x in j) for r, j in zip(results, split(pairs, found))]
+        else:
+            results = split(pairs, found)
+        diffs: list[TensorDiff] = []
+        writebacks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for slot, (pos, nv, ov) in zip(slots, results):
+            if pos.numel() == 0:
+                continue
+            diffs.append(TensorDiff(slot, pos, nv, ov))
+            if not self._snaps[slot].is_cuda:
+                writebacks.append((slot, pos, nv))
         event = torch.cuda.Event()
         event.record(compute)
         self.staged_event = event if out_device.type == "cpu" else None
@@ -531,6 +546,12 @@ class PinnedBlock:
             torch.cuda.synchronize()  # no copy in flight may still read or write it
             self._finalizer()
             self.registered = False
+
+
+def _stage(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied to pinned CPU memory without waiting (valid once the stream reaches here)."""
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)
 
 
 def _cudart():
