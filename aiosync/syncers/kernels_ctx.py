@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .kernels import GROUP_BLOCKS, _cast_bf16, _flatten, _load, _popcount64, _tz64, _width, _zigzag, mix64, unzigzag
+from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _tail_mask, _tz64, _width, _zigzag, mix64, unzigzag
 from .kernels_simd import PREFETCH_BLOCKS, change_mask, ge_mask, prefetch_block
 from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
 
@@ -102,7 +102,25 @@ def value_ctx(bits, mmask, mant_bits, vtop):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _class_masks(a1, a2, a3, valid):  # pragma: no cover - compiled
+def _block_classes(bits, s, e, msk, t1, t2, t3):  # pragma: no cover - compiled
+    """The four class masks of block ``bits[s:e]`` (64 elements but for the last block): bit ``i``
+    of mask ``c`` is set when element ``s + i`` is of class ``c``. The builder and the decoder
+    classify alike: the snapshot the sender diffs against is the receiver's model."""
+    if e - s == 64:  # vector compares (kernels_simd)
+        a1 = ge_mask(bits, s, msk, t1)
+        a2 = ge_mask(bits, s, msk, t2)
+        a3 = ge_mask(bits, s, msk, t3)
+        valid = np.uint64(0xFFFFFFFFFFFFFFFF)
+    else:
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        a3 = np.uint64(0)
+        for i in range(e - s):
+            v = bits[s + i] & msk
+            a1 |= np.uint64(v >= t1) << np.uint64(i)
+            a2 |= np.uint64(v >= t2) << np.uint64(i)
+            a3 |= np.uint64(v >= t3) << np.uint64(i)
+        valid = (np.uint64(1) << np.uint64(e - s)) - np.uint64(1)
     return valid & ~a1, a1 & ~a2, a2 & ~a3, a3
 
 
@@ -146,31 +164,11 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        m = np.uint64(0)  # the block's change mask and class masks
-        a1 = np.uint64(0)
-        a2 = np.uint64(0)
-        a3 = np.uint64(0)
         prefetch_block(src, s + PREFETCH_BLOCKS * 64)
         prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
-        if e - s == 64:  # vector compares (kernels_simd)
-            m = change_mask(src, snap, s)
-            a1 = ge_mask(snap, s, msk, t1)
-            a2 = ge_mask(snap, s, msk, t2)
-            a3 = ge_mask(snap, s, msk, t3)
-            valid = np.uint64(0xFFFFFFFFFFFFFFFF)
-        else:
-            for i in range(e - s):
-                if fused:
-                    m |= np.uint64(_cast_bf16(src[s + i]) != snap[s + i]) << np.uint64(i)
-                else:
-                    m |= np.uint64(src[s + i] != snap[s + i]) << np.uint64(i)
-                v = snap[s + i] & msk
-                a1 |= np.uint64(v >= t1) << np.uint64(i)
-                a2 |= np.uint64(v >= t2) << np.uint64(i)
-                a3 |= np.uint64(v >= t3) << np.uint64(i)
-            valid = (one << np.uint64(e - s)) - one
+        m = change_mask(src, snap, s) if e - s == 64 else _tail_mask(src, snap, s, e, fused)
         lb = b - g0
-        cms[lb, 0], cms[lb, 1], cms[lb, 2], cms[lb, 3] = _class_masks(a1, a2, a3, valid)
+        cms[lb, 0], cms[lb, 1], cms[lb, 2], cms[lb, 3] = _block_classes(snap, s, e, msk, t1, t2, t3)
         for c in range(N_CLASSES):
             at[lb, c] = run[c]
             run[c] += np.int64(_popcount64(cms[lb, c]))
@@ -355,23 +353,8 @@ def decode_segment(old, buf, p0, pm, p1, thr, mm, stat, counts, slots, freq, sta
             break
         s = b * 64
         e = min(n, s + 64)
-        a1 = np.uint64(0)
-        a2 = np.uint64(0)
-        a3 = np.uint64(0)
         prefetch_block(old, s + PREFETCH_BLOCKS * 64)
-        if e - s == 64:
-            a1 = ge_mask(old, s, msk, t1)
-            a2 = ge_mask(old, s, msk, t2)
-            a3 = ge_mask(old, s, msk, t3)
-            valid = np.uint64(0xFFFFFFFFFFFFFFFF)
-        else:
-            for i in range(e - s):
-                v = old[s + i] & msk
-                a1 |= np.uint64(v >= t1) << np.uint64(i)
-                a2 |= np.uint64(v >= t2) << np.uint64(i)
-                a3 |= np.uint64(v >= t3) << np.uint64(i)
-            valid = (one << np.uint64(e - s)) - one
-        ms[0], ms[1], ms[2], ms[3] = _class_masks(a1, a2, a3, valid)
+        ms[0], ms[1], ms[2], ms[3] = _block_classes(old, s, e, msk, t1, t2, t3)
         for c in range(N_CLASSES):
             pc[c] = np.int64(_popcount64(ms[c]))
             cand[c] = next_in(ms[c], target[c], pc[c]) if left[c] else 64

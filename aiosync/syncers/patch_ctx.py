@@ -142,37 +142,23 @@ class CtxBuilder:
     # --------------------------------------------------------------------- build
     def build(self, tensors: list[torch.Tensor], slots: list[int] | None = None) -> list[CtxDiff]:
         """Diff ``tensors`` (CPU) against the snapshot, updating it; one :class:`CtxDiff` per
-        changed tensor, in slot order. Segments run as tasks of about ``chunk_elems`` elements."""
+        changed tensor, in slot order. Segments run as tasks of about ``chunk_elems`` elements
+        (:meth:`~aiosync.syncers.snapshot.Snapshot.map_pieces`)."""
         snap = self.snapshot
         slots = list(range(len(tensors))) if slots is None else slots
         snap.wait_writeback()
         sources = {}
-        tasks: list[list[tuple[int, int, int]]] = [[]]
-        filled = 0
+        pieces: list[tuple[int, int, int]] = []
         for i, t in zip(slots, tensors):
             flat = t.detach().reshape(-1)
             if flat.is_cuda or snap.bits(i).size != flat.numel():
                 raise ValueError(f"slot {i}: the ctx builder needs a CPU tensor of the snapshot's size")
             sources[i] = (flat, snap.bits(i), *snap.kernel_source(flat, i))
             n = flat.numel()
-            for start in range(0, max(n, 1), kc.SEGMENT):
-                end = min(n, start + kc.SEGMENT)
-                if filled and filled + end - start > snap.chunk_elems:
-                    tasks.append([])
-                    filled = 0
-                tasks[-1].append((i, start, end))
-                filled += end - start
-        tasks = [t for t in tasks if t]
-
-        def run(task):
-            return [self._segment(sources[i], i, start, end) for i, start, end in task]
-
-        if len(tasks) > 1 and snap.workers > 1:
-            outs = [o for done in snap.pool().map(run, tasks) for o in done]
-        else:
-            outs = [o for task in tasks for o in run(task)]
+            pieces += [(i, start, min(n, start + kc.SEGMENT)) for start in range(0, max(n, 1), kc.SEGMENT)]
+        outs = snap.map_pieces(pieces, lambda i, start, end: self._segment(sources[i], i, start, end))
         per_slot: dict[int, list] = {}
-        for (i, _, _), out in zip((seg for task in tasks for seg in task), outs):
+        for (i, _, _), out in zip(pieces, outs):
             per_slot.setdefault(i, []).append(out)
         diffs = []
         for i in sorted(per_slot):

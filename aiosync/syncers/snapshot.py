@@ -23,6 +23,7 @@ import weakref
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -145,6 +146,30 @@ class Snapshot:
     def pool(self) -> ThreadPoolExecutor:
         """The builder's thread pool (``workers`` threads)."""
         return self._pool_get()
+
+    def map_pieces(self, pieces: list[tuple[int, int, int]], fn: Callable[[int, int, int], Any]) -> list:
+        """``fn(slot, start, end)`` for every piece of the CPU builders, results in piece order.
+
+        Consecutive pieces share a task of about ``chunk_elems`` elements (per-task Python costs
+        about as much as a kernel spends on a few hundred thousand elements); tasks run on the
+        builder's pool when there are several.
+        """
+        tasks: list[list[tuple[int, int, int]]] = [[]]
+        filled = 0
+        for piece in pieces:
+            size = piece[2] - piece[1]
+            if filled and filled + size > self.chunk_elems:
+                tasks.append([])
+                filled = 0
+            tasks[-1].append(piece)
+            filled += size
+
+        def run(task):
+            return [fn(*piece) for piece in task]
+
+        if len(tasks) > 1 and self.workers > 1:
+            return [out for done in self._pool_get().map(run, tasks) for out in done]
+        return [out for task in tasks for out in run(task)]
 
     def kernel_source(self, flat: torch.Tensor, slot: int) -> tuple[np.ndarray | None, bool]:
         """See :meth:`_kernel_source`: the kernels' view of a whole source tensor of ``slot``."""
@@ -299,19 +324,15 @@ class Snapshot:
         return src, fused
 
     def _diff_cpu_numba(self, tensors: dict[int, torch.Tensor], slots: list[int]) -> list[TensorDiff]:
-        tasks = []
+        pieces = []
         flats = {}
         for i in slots:
             flats[i] = tensors[i].detach().reshape(-1)
             n = flats[i].numel()
-            for s in range(0, n, self.chunk_elems):
-                tasks.append((i, s, min(n, s + self.chunk_elems)))
-        if len(tasks) == 1 or self.workers == 1:
-            outs = [self._chunk(flats[i], i, s, e) for i, s, e in tasks]
-        else:
-            outs = list(self._pool_get().map(lambda t: self._chunk(flats[t[0]], *t), tasks))
+            pieces += [(i, s, min(n, s + self.chunk_elems)) for s in range(0, n, self.chunk_elems)]
+        outs = self.map_pieces(pieces, lambda i, s, e: self._chunk(flats[i], i, s, e))
         per_slot: dict[int, list] = {}
-        for (i, _, _), out in zip(tasks, outs):
+        for (i, _, _), out in zip(pieces, outs):
             if out is not None:
                 per_slot.setdefault(i, []).append(out)
         diffs = []
@@ -328,15 +349,13 @@ class Snapshot:
     def diff_flat(self, tensors: list[torch.Tensor], slots: list[int] | None = None) -> list["FlatDiff"]:
         """Like :meth:`diff` for CPU tensors, but emit the ``flat`` wire encoding directly.
 
-        Work is cut into tasks of about ``chunk_elems`` elements: large tensors are split,
-        small consecutive ones share a task (per-task Python costs about as much as the
-        kernel spends on a few hundred thousand elements).
+        Work is cut into tasks of about ``chunk_elems`` elements (:meth:`map_pieces`): large
+        tensors are split, small consecutive ones share a task.
         """
         slots = list(range(len(tensors))) if slots is None else slots
         self.wait_writeback()
         sources: dict[int, tuple] = {}
-        tasks: list[list[tuple[int, int, int]]] = [[]]
-        filled = 0
+        pieces: list[tuple[int, int, int]] = []
         for i, t in zip(slots, tensors):
             if t.is_cuda or self._snaps[i].is_cuda:
                 raise ValueError("diff_flat works on CPU tensors and snapshots; use diff() for CUDA")
@@ -346,21 +365,10 @@ class Snapshot:
                 raise ValueError(f"slot {i}: tensor has {flat.numel()} elements, snapshot has {snap.numel()}")
             sources[i] = (flat, _np_bits(snap), *self._kernel_source(flat, snap))
             n = flat.numel()
-            for start in range(0, n, self.chunk_elems):
-                end = min(n, start + self.chunk_elems)
-                if filled and filled + end - start > self.chunk_elems:
-                    tasks.append([])
-                    filled = 0
-                tasks[-1].append((i, start, end))
-                filled += end - start
-        tasks = [t for t in tasks if t]
-        run = (lambda task: [self._flat_segment(sources[i], i, start, end) for i, start, end in task])
-        if len(tasks) > 1 and self.workers > 1:
-            outs = [out for done in self._pool_get().map(run, tasks) for out in done]
-        else:
-            outs = [out for task in tasks for out in run(task)]
+            pieces += [(i, start, min(n, start + self.chunk_elems)) for start in range(0, n, self.chunk_elems)]
+        outs = self.map_pieces(pieces, lambda i, start, end: self._flat_segment(sources[i], i, start, end))
         per_slot: dict[int, list] = {}
-        for (i, start, _), out in zip((seg for task in tasks for seg in task), outs):
+        for (i, start, _), out in zip(pieces, outs):
             if out is not None:
                 per_slot.setdefault(i, []).append((start, out))
         from .kernels import varint_bytes
