@@ -105,20 +105,21 @@ def test_gaps_that_wrap_int64_around_are_refused_on_every_decode_path(monkeypatc
 
 
 def test_ctx_class_counts_that_wrap_int64_around_are_refused_before_the_kernel(monkeypatch):
-    from aiosync.syncers import kernels_ctx
+    from aiosync.syncers import kernels_ctx_coder
 
     r, dst0, patch, _ = hc.prepared_patch("ctx", "none")
 
     def kernel_reached(*args):
         raise AssertionError("the decode kernel was reached with class counts that do not add up")
 
-    monkeypatch.setattr(kernels_ctx, "decode_segment", kernel_reached)
+    monkeypatch.setattr(kernels_ctx_coder, "decode_segment", kernel_reached)
     from aiosync.syncers.patch_ctx import varints
     from aiosync.syncers.patch_ctx_decode import _ints
 
     ints = _ints(patch.values)
     n0 = int(patch.nnz_per_tensor[0])
-    # the first tensor's first segment: four class counts and a gap length, after the tables and parameters
+    # the first tensor's first segment: four class counts and a stream length (one lane: two
+    # streams), after the tables and parameters
     start = len(ints) - 5 * len(patch.ordinals)
     assert ints[start:start + 4] and sum(ints[start:start + 4]) == n0
     hostile = list(ints)

@@ -13,12 +13,11 @@ chosen by the old value's exponent. See docs/wire-format.md ("ctx") for the layo
   :func:`~aiosync.syncers.kernels.diff_encode_flat`), update it, and emit one record per change
   (class-local gap, context byte, value code), plus the drift hash and the statistics the next
   build picks its thresholds from.
-* :func:`count_symbols` / :func:`encode_segment` — histograms of the records' symbols (the
-  numba builder counts them as it records), and the rANS coding of one segment's records (:mod:`aiosync.syncers.rans`).
-* :func:`decode_segment` — the receiver: classify its own old values, decode positions and
-  value codes; every malformation is a negative return code, nothing is written.
-* :func:`write_codes` / :func:`restore_codes` — the receiver's write (old bits journaled and
-  hashed for the drift check) and its undo.
+* :func:`count_symbols` — histograms of the records' symbols (the numba builder counts them as
+  it records; this is for the torch path).
+
+The rANS coding of the records, their decoding and the receiver's write live in
+:mod:`aiosync.syncers.kernels_ctx_coder`.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _tail_mask, _tz64, _width, _zigzag, mix64, unzigzag
+from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _tail_mask, _tz64, _width, _zigzag, mix64
 from .kernels_simd import PREFETCH_BLOCKS, change_mask, ge_mask, prefetch_block
-from .rans import RANS_L, flush, get_value, put_value, start_state, symbol_of
+from .rans import symbol_of
 
 N_CLASSES = 4
 N_VCTX = 16
@@ -65,26 +64,6 @@ def _fast_pdep() -> bool:
 
 
 FAST_PDEP = _fast_pdep()
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def select64(m, r):  # pragma: no cover - compiled
-    """Index of the ``r``-th (from 0) set bit of ``m``; ``r`` < popcount(m)."""
-    if FAST_PDEP:
-        return np.int64(_tz64(_pdep64(np.uint64(1) << np.uint64(r), m)))
-    for _ in range(r):
-        m &= m - np.uint64(1)
-    return np.int64(_tz64(m))
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def next_in(m, r, pc):  # pragma: no cover - compiled
-    """Index of the ``r``-th set bit of ``m`` (``pc`` = popcount(m)), or 64 when ``r >= pc``;
-    branch-free with pdep."""
-    if FAST_PDEP:
-        src = np.uint64(r < pc) << np.uint64(min(r, 63))
-        return np.int64(_tz64(_pdep64(src, m)))
-    return select64(m, r) if r < pc else np.int64(64)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -266,156 +245,3 @@ def count_symbols(rec_gap, rec_ctx, rec_z, n, wslot, hist):  # pragma: no cover 
         hist[wslot * N_CLASSES + c, sg] += 1
         sv, _ = symbol_of(np.uint64(rec_z[i]) - np.uint64(1))
         hist[4 * N_CLASSES + wslot * N_VCTX + v, sv] += 1
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, bufg, bufv):  # pragma: no cover - compiled
-    """rANS-code one segment's records backwards into the ends of ``bufg`` (gaps) and ``bufv``
-    (value codes); returns where each stream starts. ``tmap`` maps context ids to rows of ``enc``.
-
-    Gaps and value codes are two streams with a coder state each (the decoder's two dependency
-    chains run in parallel); each stream starts with its state's final value (four bytes).
-    Decoding order (the reverse of the coding order): the first gap of each class that has
-    changes (classes in order), then for every change in position order its value code, then,
-    unless it is the last change of its class, the gap to its class's next change.
-    """
-    pg = bufg.shape[0]
-    pv = bufv.shape[0]
-    xg = np.uint64(RANS_L)
-    xv = np.uint64(RANS_L)
-    pend = np.zeros(N_CLASSES, np.uint64)
-    has = np.zeros(N_CLASSES, np.bool_)
-    tg = wslot * N_CLASSES
-    tv = 4 * N_CLASSES + wslot * N_VCTX
-    for i in range(n - 1, -1, -1):
-        c = np.int64(rec_ctx[i] & 3)
-        v = np.int64(rec_ctx[i] >> 2)
-        if has[c]:
-            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
-        xv, pv = put_value(xv, bufv, pv, enc, tmap[tv + v], np.uint64(rec_z[i]) - np.uint64(1))
-        pend[c] = np.uint64(rec_gap[i])
-        has[c] = True
-    for c in range(N_CLASSES - 1, -1, -1):
-        if has[c]:
-            xg, pg = put_value(xg, bufg, pg, enc, tmap[tg + c], pend[c])
-    return flush(xg, bufg, pg), flush(xv, bufv, pv)
-
-
-# ------------------------------------------------------------------ the receiver
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def decode_segment(old, buf, p0, pm, p1, thr, mm, stat, counts, slots, freq, start, tmap, wslot, out_pos, out_z,
-                   base):  # pragma: no cover - compiled
-    """Decode one segment against the receiver's old bits ``old`` (the segment's elements,
-    read only): positions (``base`` + index, into ``out_pos``) and value codes (``out_z``), in
-    position order. Its gap stream is ``buf[p0:pm]``, its value stream ``buf[pm:p1]``.
-    ``counts`` are the changes per class the patch announces; ``tmap`` maps context ids to
-    table rows (``-1``: no table). Returns the number of changes, or a negative error: -1 a
-    stream ends early, -2 a change lies beyond the segment, -3 a value code out of range for
-    the dtype, -4 bytes left over or a wrong final state, -5 a symbol of a context without a
-    table.
-    """
-    width = _width(old)
-    n = old.shape[0]
-    t1, t2, t3, msk = thr[0], thr[1], thr[2], mm[0]
-    mmask = np.uint64(msk)
-    mant_bits, vtop = stat[0], stat[2]
-    zmax = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 8 else (np.uint64(1) << np.uint64(8 * width)) - np.uint64(1)
-    tg = wslot * N_CLASSES
-    tv = 4 * N_CLASSES + wslot * N_VCTX
-    left = np.zeros(N_CLASSES, np.int64)
-    target = np.zeros(N_CLASSES, np.int64)
-    total = 0
-    for c in range(N_CLASSES):
-        left[c] = counts[c]
-        total += counts[c]
-        if counts[c] and tmap[tg + c] < 0:
-            return -5
-    if total == 0:
-        return 0 if p1 == p0 and pm == p0 else -4
-    xg, p = start_state(buf, p0, pm)
-    xv, q = start_state(buf, pm, p1)
-    if p < 0 or q < 0:
-        return -1
-    for c in range(N_CLASSES):
-        if left[c]:
-            g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
-            if g >= np.uint64(n):
-                return -2
-            target[c] = np.int64(g)
-    k = 0
-    cand = np.full(N_CLASSES, 64, np.int64)
-    pc = np.zeros(N_CLASSES, np.int64)
-    ms = np.zeros(N_CLASSES, np.uint64)
-    nblocks = (n + 63) // 64
-    one = np.uint64(1)
-    for b in range(nblocks):
-        if k == total:
-            break
-        s = b * 64
-        e = min(n, s + 64)
-        prefetch_block(old, s + PREFETCH_BLOCKS * 64)
-        ms[0], ms[1], ms[2], ms[3] = _block_classes(old, s, e, msk, t1, t2, t3)
-        for c in range(N_CLASSES):
-            pc[c] = np.int64(_popcount64(ms[c]))
-            cand[c] = next_in(ms[c], target[c], pc[c]) if left[c] else 64
-        while True:
-            j01 = min(cand[0], cand[1])
-            j23 = min(cand[2], cand[3])
-            j = min(j01, j23)
-            if j >= 64:
-                break
-            c = (0 if cand[0] == j01 else 1) if j01 <= j23 else (2 if cand[2] == j23 else 3)
-            pos = s + j
-            o = old[pos]
-            t = tmap[tv + value_ctx(o, mmask, mant_bits, vtop)]
-            if t < 0:
-                return -5
-            v, xv, q = get_value(xv, buf, q, p1, slots, freq, start, t)
-            if q > p1:
-                return -1
-            if v >= zmax:
-                return -3
-            out_pos[k] = base + pos
-            out_z[k] = v + one
-            k += 1
-            left[c] -= 1
-            cand[c] = 64
-            if left[c]:
-                g, xg, p = get_value(xg, buf, p, pm, slots, freq, start, tmap[tg + c])
-                if g >= np.uint64(n):
-                    return -2
-                target[c] += np.int64(g) + 1
-                cand[c] = next_in(ms[c], target[c], pc[c])
-        for c in range(N_CLASSES):
-            if left[c]:
-                target[c] -= pc[c]
-    if k != total:
-        return -2
-    if p > pm or q > p1:
-        return -1
-    if p != pm or q != p1 or xg != np.uint64(RANS_L) or xv != np.uint64(RANS_L):
-        return -4
-    return k
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def write_codes(target, pos, z, out_old):  # pragma: no cover - compiled
-    """The ``ctx`` patch writer: ``target[pos[i]]`` moves by value code ``z[i]``; the overwritten
-    bits go to ``out_old`` (the write's journal, for :func:`restore_codes`). Returns their drift
-    hash (the sum of :func:`mix64` over the changes, modulo 2**64)."""
-    width = _width(target)
-    h = np.uint64(0)
-    for i in range(pos.shape[0]):
-        j = pos[i]
-        o = target[j]
-        out_old[i] = o
-        h += mix64(j, o)
-        target[j] = unzigzag(o, np.uint64(z[i]), width)
-    return h
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def restore_codes(target, pos, old):  # pragma: no cover - compiled
-    """Undo :func:`write_codes`."""
-    for i in range(pos.shape[0]):
-        target[pos[i]] = old[i]

@@ -60,6 +60,7 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
 def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
     """The ``ctx`` encoding's kernels: a tiny patch built, coded, decoded, written and undone."""
     from . import kernels_ctx as kc
+    from . import kernels_ctx_coder as kcc
     from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
     from .rans import NSYM, decoder_tables, encoder_tables
 
@@ -74,13 +75,15 @@ def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
     kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
     kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
     _, freqs, tmap = build_tables([hist])
-    bufg, bufv = np.empty(8 + 20 * (k + 4), np.uint8), np.empty(8 + 20 * (k + 4), np.uint8)
-    pg, pv = kc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], bufg, bufv)
-    buf = np.concatenate([bufg[pg:], bufv[pv:]])
+    ns, bound = kcc.stream_count(k), kcc.stream_bound(k)
+    buf, ends, starts = np.empty(ns * bound, np.uint8), np.arange(1, ns + 1, dtype=np.int64) * bound, np.empty(ns, np.int64)
+    kcc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], buf, ends, starts)
+    parts = [buf[a:b] for a, b in zip(starts, ends)]
+    bounds = np.concatenate([[0], np.cumsum([q.size for q in parts])]).astype(np.int64)
     pos, codes = np.empty(k, np.int64), np.empty(k, dt)
-    kc.decode_segment(snap, buf, 0, bufg.size - pg, buf.size, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
-                      WIDTH_SLOT[w], pos, codes, 0)
+    kcc.decode_segment(snap, np.concatenate(parts), bounds, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
+                       WIDTH_SLOT[w], pos, codes, 0)
     target, old = snap.copy(), np.empty(k, dt)
-    kc.write_codes(target, pos, codes, old)
-    kc.restore_codes(target, pos, old)
+    kcc.write_codes(target, pos, codes, old)
+    kcc.restore_codes(target, pos, old)
     kc.best_split(np.ones(4), np.ones(4) / 2)

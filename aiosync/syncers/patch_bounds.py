@@ -36,7 +36,9 @@ def stream_bounds(encoding: str, ords: list[int], counts: list[int], layouts) ->
 
         segs = sum(max(1, -(-layouts[o].numel // SEGMENT)) if not isinstance(layouts[o], int) else max(1, n)
                    for o, n in zip(ords, counts))
-        busy = min(segs, total)  # segments with a change: two rANS streams each, 8 + 20 (n + 4) bytes at most
-        header_ints = 1 + N_CONTEXTS * (2 + NSYM) + 4 * len(ords) + 5 * segs
-        return {"cols": (0, 40 * total + 176 * busy), "values": (1, MAX_VARINT_BYTES * header_ints)}
+        from .kernels_ctx_coder import MAX_LANES
+
+        busy = min(segs, total)  # segments with a change: at most 2 MAX_LANES streams (stream_bound bytes each)
+        header_ints = 1 + N_CONTEXTS * (2 + NSYM) + 4 * len(ords) + (4 + 2 * MAX_LANES - 1) * segs
+        return {"cols": (0, 40 * total + 2 * MAX_LANES * 88 * busy), "values": (1, MAX_VARINT_BYTES * header_ints)}
     raise PayloadError(f"unknown patch encoding {encoding!r}")

@@ -1,7 +1,8 @@
 """The ``ctx`` patch encoding, sender side: statistics, class thresholds, the build and the coding.
 
 A ``ctx`` patch codes each changed tensor's changes against what the receiver already holds
-(its old values; see :mod:`aiosync.syncers.kernels_ctx` and docs/wire-format.md):
+(its old values; see :mod:`aiosync.syncers.kernels_ctx`, :mod:`aiosync.syncers.kernels_ctx_coder` and
+docs/wire-format.md):
 
 * the *class* of an element (four, by the magnitude of its old value against three per-tensor
   thresholds) selects the table its gaps are coded with, and gaps count only elements of the
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from . import kernels_ctx as kc
+from . import kernels_ctx_coder as kcc
 from .rans import NSYM, encoder_tables, normalize
 from .snapshot import _np_bits
 
@@ -238,12 +240,16 @@ def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], 
 
     def one(job):
         d, seg = job
-        if not seg.n:
-            return np.empty(0, np.uint8), 0
-        bound = 8 + 20 * (seg.n + 4)  # at most 12 + 63 bits per symbol and two symbols per change
-        bufg, bufv = np.empty(bound, np.uint8), np.empty(bound, np.uint8)
-        pg, pv = kc.encode_segment(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)], bufg, bufv)
-        return np.concatenate([bufg[pg:], bufv[pv:]]), bound - pg
+        ns = kcc.stream_count(seg.n)
+        if not ns:
+            return np.empty(0, np.uint8), []
+        bound = kcc.stream_bound(seg.n)
+        buf = np.empty(ns * bound, np.uint8)
+        ends = np.arange(1, ns + 1, dtype=np.int64) * bound
+        starts = np.empty(ns, np.int64)
+        kcc.encode_segment(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)], buf, ends, starts)
+        parts = [buf[a:b] for a, b in zip(starts, ends)]
+        return np.concatenate(parts), [p.size for p in parts[:-1]]
 
     coded = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
     streams = [c for c, _ in coded]
@@ -254,8 +260,8 @@ def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], 
         model += [int(cid), nsym, *f[:nsym].tolist()]
     for d in diffs:
         model += [*d.thr, d.vtop]
-    for (d, seg), (_, glen) in zip(jobs, coded):
-        model += [*seg.counts.tolist(), glen]
+    for (d, seg), (_, lens) in zip(jobs, coded):
+        model += [*seg.counts.tolist(), *lens]
     cat = np.concatenate(streams) if streams else np.empty(0, np.uint8)
     return cat, [s.size for s in streams], model
 

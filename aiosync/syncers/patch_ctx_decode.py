@@ -18,6 +18,8 @@ import torch
 
 from ..errors import DriftError, PayloadError
 from . import kernels_ctx as kc
+from . import kernels_ctx_coder as kcc
+from .kernels_ctx_coder import stream_count
 from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, ctx_format
 from .rans import NSYM, PROB_SCALE, decoder_tables
 
@@ -41,7 +43,7 @@ class CtxHeader:
     start: np.ndarray
     params: list[tuple[int, int, int, int]]  # per tensor: three thresholds, value top
     counts: list[np.ndarray]  # per tensor: (segments, classes) changes
-    gap_lens: list[list[int]]  # per tensor and segment: bytes of its gap stream (its value stream follows)
+    stream_lens: list[list[list[int]]]  # per tensor and segment: bytes of each stream but the last
 
 
 def _ints(values: torch.Tensor) -> list[int]:
@@ -96,26 +98,28 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
             raise PayloadError(f"ctx patch parameters of tensor ordinal {o} are malformed (thresholds must be "
                                "nondecreasing and fit the dtype)")
         params.append((t1, t2, t3, vtop))
-    seg_counts, gap_lens = [], []
+    seg_counts, stream_lens = [], []
     for o, n in zip(ords, counts):
         k = n_segments(layouts[o].numel)
-        raw = take(k * (kc.N_CLASSES + 1), "the class counts")
         numel = layouts[o].numel
+        c = np.zeros((k, kc.N_CLASSES), np.int64)
+        lens = []
         for s in range(k):  # in Python ints: a sum of int64 counts could wrap around to n
-            seg = raw[s * (kc.N_CLASSES + 1):(s + 1) * (kc.N_CLASSES + 1) - 1]
+            seg = take(kc.N_CLASSES, "the class counts")
             if sum(seg) > min(kc.SEGMENT, numel - s * kc.SEGMENT):
                 raise PayloadError(f"ctx patch class counts of tensor ordinal {o} (segment {s}) claim {sum(seg)} "
                                    "changes, more than the segment has elements")
-        c = np.array(raw, np.int64).reshape(k, kc.N_CLASSES + 1)
-        if int(c[:, :-1].sum()) != n:
-            raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c[:, :-1].sum())}, but "
+            c[s] = seg
+            lens.append(take(max(0, stream_count(sum(seg)) - 1), "the stream lengths"))
+        if int(c.sum()) != n:
+            raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c.sum())}, but "
                                f"nnz_per_tensor says {n}")
-        seg_counts.append(np.ascontiguousarray(c[:, :-1]))
-        gap_lens.append(c[:, -1].tolist())
+        seg_counts.append(c)
+        stream_lens.append(lens)
     if pos != len(ints):
         raise PayloadError(f"ctx patch model header has {len(ints) - pos} values left over (malformed)")
     slots, freq, start = decoder_tables(freqs)
-    return CtxHeader(tmap, slots, freq, start, params, seg_counts, gap_lens)
+    return CtxHeader(tmap, slots, freq, start, params, seg_counts, stream_lens)
 
 
 def old_bits(t: torch.Tensor) -> np.ndarray:
@@ -150,12 +154,13 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
     jobs = []
     off = si = 0
     for i, (o, c) in enumerate(zip(ords, head.counts)):
-        lay = layouts[o]
         for k in range(c.shape[0]):
-            nb, gl = seg_bytes[si], head.gap_lens[i][k]
-            if not 0 <= gl <= nb:
-                raise PayloadError(f"ctx patch gap stream of tensor ordinal {o} (segment {k}) is longer than its segment")
-            jobs.append((i, k, off, off + gl, off + nb))
+            nb, lens = seg_bytes[si], head.stream_lens[i][k]
+            if sum(lens) > nb or (nb and not lens and not c[k].sum()):
+                raise PayloadError(f"ctx patch streams of tensor ordinal {o} (segment {k}) are longer than its "
+                                   f"{nb} bytes, or it has bytes but no changes")
+            jobs.append((i, k, np.array([off, *(off + np.cumsum(lens, dtype=np.int64)), off + nb], np.int64)
+                         if c[k].sum() else np.array([off], np.int64)))
             off += nb
             si += 1
     bits = [old_bits(t) for t in targets]
@@ -165,7 +170,7 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
     fmts = [ctx_format(layouts[o].dtype, layouts[o].elem_size) for o in ords]
 
     def one(job):
-        i, k, p0, pm, p1 = job
+        i, k, bounds = job
         o = ords[i]
         lay = layouts[o]
         magmask, mant, bias = fmts[i]
@@ -174,7 +179,7 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
         t1, t2, t3, vtop = head.params[i]
         thr = np.array([t1, t2, t3], old.dtype)
         a, b = firsts[i][k], firsts[i][k + 1]
-        rc = kc.decode_segment(old[s:e], buf, p0, pm, p1, thr, np.array([magmask], old.dtype),
+        rc = kcc.decode_segment(old[s:e], buf, bounds, thr, np.array([magmask], old.dtype),
                                np.array([mant, bias, vtop], np.int64), head.counts[i][k], head.slots, head.freq,
                                head.start, head.tmap, WIDTH_SLOT[lay.elem_size], out_pos[i][a:b], out_z[i][a:b], s)
         if rc < 0:  # the header was sound: the stream, or the values it is decoded against, are not

@@ -310,7 +310,7 @@ def _write_parallel(jobs: list[_Job]) -> None:
 
 def _write_one(job: _Job) -> None:
     if job.fast and job.d.zcodes is not None:
-        from .kernels_ctx import write_codes
+        from .kernels_ctx_coder import write_codes
 
         d = job.d
         job.np_target = _np_bits(job.t.view(-1))
@@ -331,7 +331,7 @@ def _write_one(job: _Job) -> None:
 
 def _undo(job: _Job) -> Callable[[], None]:
     if job.fast and job.d.zcodes is not None:
-        from .kernels_ctx import restore_codes
+        from .kernels_ctx_coder import restore_codes
 
         return lambda: restore_codes(job.np_target, job.d.positions.numpy(), job.old)
     if job.fast:

@@ -60,12 +60,12 @@ def bit_length64(typingctx, x):
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def symbol_of(v):  # pragma: no cover - compiled
-    """``(symbol, raw bit count)`` of the non-negative integer ``v`` (uint64)."""
-    if v < np.uint64(DIRECT):
-        return np.int64(v), np.int64(0)
-    b = bit_length64(v)
-    s = np.int64((v >> np.uint64(b - 2)) & np.uint64(1))
-    return np.int64(DIRECT + 2 * (b - 5)) + s, b - 2
+    """``(symbol, raw bit count)`` of the non-negative integer ``v`` (uint64); branch free (gaps
+    mix small and large values unpredictably)."""
+    b = bit_length64(v | np.uint64(DIRECT))  # at least 5
+    big = np.int64(DIRECT + 2 * (b - 5)) + np.int64((v >> np.uint64(b - 2)) & np.uint64(1))
+    small = v < np.uint64(DIRECT)
+    return (np.int64(v) if small else big), (np.int64(0) if small else b - 2)
 
 
 def _symbol_tables() -> tuple[np.ndarray, np.ndarray]:
@@ -85,13 +85,42 @@ def _symbol_tables() -> tuple[np.ndarray, np.ndarray]:
 SYM_BASE, SYM_NRAW = _symbol_tables()
 
 
+@intrinsic
+def load_u16(typingctx, buf, q):
+    """The little-endian 16-bit word at byte ``q`` of the uint8 array ``buf``: one unaligned load
+    (every host numba targets is little-endian)."""
+    sig = types.uint64(buf, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        word = builder.load(builder.bitcast(ptr, ir.IntType(16).as_pointer()), align=1)
+        return builder.zext(word, ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def store_u16(typingctx, buf, q, x):
+    """Store the low 16 bits of ``x`` little-endian at byte ``q`` of the uint8 array ``buf``: one
+    unaligned store."""
+    sig = types.void(buf, types.int64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        builder.store(builder.trunc(args[2], ir.IntType(16)), builder.bitcast(ptr, ir.IntType(16).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ------------------------------------------------------------------- encoding
 @numba.njit(nogil=True, cache=True, inline="always")
 def _emit(x, buf, p, xmax):  # pragma: no cover - compiled
     """Renormalise before coding: move the low 16 bits out when the step would overflow. Branch
     free: the word is always stored below ``p`` (free space), ``p`` moves only when it counts."""
-    buf[p - 2] = np.uint8(x & np.uint64(0xFF))
-    buf[p - 1] = np.uint8((x >> np.uint64(8)) & np.uint64(0xFF))
+    store_u16(buf, p - 2, x)
     m = np.uint64(x >= xmax)
     return x >> (m << np.uint64(4)), p - 2 * np.int64(m)
 
@@ -99,9 +128,10 @@ def _emit(x, buf, p, xmax):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True, inline="always")
 def _put(x, buf, p, enc, t, sym):  # pragma: no cover - compiled
     """Encode ``sym`` with table ``t``; returns the new state and write index (words go to ``buf[:p]``)."""
-    x, p = _emit(x, buf, p, enc[t, sym, _XMAX])
-    q = ((x * enc[t, sym, _RCP]) >> np.uint64(32)) >> enc[t, sym, _SHIFT]
-    return x + enc[t, sym, _BIAS] + q * enc[t, sym, _CMPL], p
+    tu, su = np.uint64(t), np.uint64(sym)  # unsigned indices: no negative-index wrap-around code
+    x, p = _emit(x, buf, p, enc[tu, su, _XMAX])
+    q = ((x * enc[tu, su, _RCP]) >> np.uint64(32)) >> enc[tu, su, _SHIFT]
+    return x + enc[tu, su, _BIAS] + q * enc[tu, su, _CMPL], p
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -151,39 +181,41 @@ def start_state(buf, p, end):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _refill(x, buf, p, end):  # pragma: no cover - compiled
+def _refill(x, buf, p, lim):  # pragma: no cover - compiled
     """Read one 16-bit word when the state fell below ``RANS_L`` (after any coding step one word
-    restores it), without a branch. The word is read at ``min(p, end - 2)`` (never outside the
-    stream) and the index still counts: a decoder that ran out of a malformed stream ends with
-    its index past ``end``. Streams are at least 8 bytes long (the two flushed states)."""
-    q = min(p, end - 2)
-    w = np.uint64(buf[q]) | (np.uint64(buf[q + 1]) << np.uint64(8))
+    restores it), without a branch. The word is read at ``min(p, lim - 2)`` (``lim``: the end of
+    the buffer, so never outside it) and the index still counts: a decoder that ran out of a
+    malformed stream ends with its index past its stream's end (the caller checks). Streams are
+    at least 4 bytes long (the flushed state)."""
+    w = load_u16(buf, min(p, lim - 2))
     m = np.uint64(x < np.uint64(RANS_L))
     x = (x << (m << np.uint64(4))) | (w & (np.uint64(0) - m))
     return x, p + 2 * np.int64(m)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def get_value(x, buf, p, end, slots, freq, start, t):  # pragma: no cover - compiled
-    """Decode one integer with table ``t``; returns ``(value, state, index)``. A stream that
-    ran out shows as an index past ``end`` (checked by the caller)."""
+def get_value(x, buf, p, lim, slots, freq, start, t):  # pragma: no cover - compiled
+    """Decode one integer with table ``t`` (``0 <= t < tables``: unchecked); returns ``(value,
+    state, index)``. Words are read below ``lim`` (the buffer's end, see :func:`_refill`); a
+    stream that ran out shows as an index past its end (checked by the caller)."""
     slot = x & np.uint64(PROB_SCALE - 1)
-    sym = np.int64(slots[t, slot])
-    x = np.uint64(freq[t, sym]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(start[t, sym])
-    x, p = _refill(x, buf, p, end)
+    tu = np.uint64(t)  # unsigned indices: no negative-index wrap-around code
+    sym = slots[tu, slot]
+    x = np.uint64(freq[tu, sym]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(start[tu, sym])
+    x, p = _refill(x, buf, p, lim)
     v = SYM_BASE[sym]
     nraw = SYM_NRAW[sym]
     if nraw <= RAW_PIECE:  # branch-free for the usual symbols: zero raw bits is a no-op
         v |= x & ((np.uint64(1) << np.uint64(nraw)) - np.uint64(1))
         x >>= np.uint64(nraw)
-        x, p = _refill(x, buf, p, end)
+        x, p = _refill(x, buf, p, lim)
         return v, x, p
     lo = 0
     while lo < nraw:
         n = min(RAW_PIECE, nraw - lo)
         v |= (x & ((np.uint64(1) << np.uint64(n)) - np.uint64(1))) << np.uint64(lo)
         x >>= np.uint64(n)
-        x, p = _refill(x, buf, p, end)
+        x, p = _refill(x, buf, p, lim)
         lo += n
     return v, x, p
 
