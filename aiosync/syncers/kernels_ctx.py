@@ -153,32 +153,35 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
             run[c] += np.int64(_popcount64(cms[lb, c]))
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
-            for q in range(cnt):
-                j = idx[q]
-                lb = (j >> 6) - g0
-                bit = np.uint64(j & 63)
-                c = np.int64((cms[lb, 1] >> bit) & one) + 2 * np.int64(((cms[lb, 2] | cms[lb, 3]) >> bit) & one) \
-                    + np.int64((cms[lb, 3] >> bit) & one)
-                rank = at[lb, c] + np.int64(_popcount64(cms[lb, c] & ((one << bit) - one)))
+            ug0 = np.uint64(g0)
+            for q in range(cnt):  # unsigned indices below: no negative-index wrap-around code
+                j = np.uint64(idx[q])
+                lb = (j >> np.uint64(6)) - ug0
+                bit = j & np.uint64(63)
+                cu = ((cms[lb, 1] >> bit) & one) + (((cms[lb, 2] | cms[lb, 3]) >> bit) & one) * np.uint64(2) \
+                    + ((cms[lb, 3] >> bit) & one)
+                c = np.int64(cu)
+                rank = at[lb, cu] + np.int64(_popcount64(cms[lb, cu] & ((one << bit) - one)))
                 h = _load(src, j, fused)
                 o = np.uint64(snap[j])
                 snap[j] = h
-                hsum += mix64(base + j, o)
-                gap = rank - prev[c] - 1
-                rec_gap[k] = gap
-                prev[c] = rank
+                hsum += mix64(np.uint64(base) + j, o)
+                gap = rank - prev[cu] - 1
+                ku = np.uint64(k)
+                rec_gap[ku] = gap
+                prev[cu] = rank
                 vc = value_ctx(o, mmask, mant_bits, vtop)
-                rec_ctx[k] = np.uint8(c | (vc << 2))
+                rec_ctx[ku] = np.uint8(c | (vc << 2))
                 zz = _zigzag(h, o, width)
-                rec_z[k] = zz
+                rec_z[ku] = zz
                 sg, _ = symbol_of(np.uint64(gap))
-                hist[tg + c, sg] += 1
+                hist[np.uint64(tg + c), np.uint64(sg)] += 1
                 sv, _ = symbol_of(np.uint64(zz) - one)
-                hist[tv + vc, sv] += 1
-                counts[c] += 1
-                bo = exp_bin(o, mmask, mant_bits, bias)
+                hist[np.uint64(tv + vc), np.uint64(sv)] += 1
+                counts[cu] += 1
+                bo = np.uint64(exp_bin(o, mmask, mant_bits, bias))
                 hc[bo] += 1
-                bn = exp_bin(h, mmask, mant_bits, bias)
+                bn = np.uint64(exp_bin(h, mmask, mant_bits, bias))
                 if bn != bo:
                     hn_delta[bo] -= 1
                     hn_delta[bn] += 1

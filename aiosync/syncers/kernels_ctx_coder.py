@@ -171,16 +171,18 @@ def _deposit(src, mask):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def _window(bits, r):  # pragma: no cover - compiled
     """Bits ``r … r + 63`` of the bitset ``bits`` (it has a spare word past its end)."""
-    q = r >> 6
-    sh = np.uint64(r & 63)
-    return (bits[q] >> sh) | ((bits[q + 1] << (np.uint64(63) - sh)) << np.uint64(1))
+    u = np.uint64(r)  # unsigned indices: no negative-index wrap-around code
+    q = u >> np.uint64(6)
+    sh = u & np.uint64(63)
+    return (bits[q] >> sh) | ((bits[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def _mark(bits, r, g, n):  # pragma: no cover - compiled
     """The rank after gap ``g`` (``r + g + 1``, at most ``n``), marked in ``bits``."""
     r = min(r + np.int64(min(g, np.uint64(n))) + 1, n)
-    bits[r >> 6] |= np.uint64(1) << np.uint64(r & 63)
+    u = np.uint64(r)  # unsigned indices: no negative-index wrap-around code
+    bits[u >> np.uint64(6)] |= np.uint64(1) << (u & np.uint64(63))
     return r
 
 
