@@ -88,6 +88,15 @@ def test_decoder_matches_a_plain_reference_on_both_sides_of_the_lane_boundary(ch
         assert (counts % 4 != 0).any() or changes % 4 == 0
 
 
+@pytest.mark.parametrize("n", [kcc.LANES_MIN, kcc.LANES_MIN + 3, 64 * 100 + 17])
+def test_every_element_of_a_segment_changes_with_lanes(n):
+    old, new, records, counts, hist, params = _records(n, n, seed=n)
+    cat, bounds, freqs, tmap = _code(records, counts, hist)
+    assert bounds.size - 1 == 2 * kcc.MAX_LANES
+    rc, pos, codes = _decode(old, cat, bounds, params, counts, freqs, tmap)
+    assert rc == n and np.array_equal(pos, np.arange(n))
+
+
 @pytest.mark.parametrize("changes", [kcc.LANES_MIN - 1, kcc.LANES_MIN + 5])
 def test_malformed_lanes_are_refused(changes):
     old, new, records, counts, hist, params = _records(50_000, changes, seed=7)
