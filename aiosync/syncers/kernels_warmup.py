@@ -13,52 +13,63 @@ from . import kernels_write as kw
 from .kernels import count_escapes, decode_gaps, diff_encode_flat, diff_update, encode_flat, pack_nibbles
 
 _WARM: set[int] = set()
+_WARM_CTX: set[int] = set()
+_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8), ctx: bool = True) -> None:
     """Compile (or load from numba's on-disk cache) the kernels for these element widths
-    (bytes per element; the default covers every dtype). Public as ``aiosync.warm_up()``.
+    (bytes per element; the default covers every dtype), and with ``ctx`` those of the ``ctx``
+    encoding too (a few seconds more to compile on a cold cache; syncers of other encodings
+    leave them out and compile them on a first ``ctx`` patch). Public as ``aiosync.warm_up()``.
 
     aiosync calls it in a worker thread when a syncer pair is set up (``init_sender`` /
     ``init_receiver``, staging), never in a sync. numba's and LLVM's initialisation holds the
     GIL even there (about 0.1 s of loop stall once per process); call this before starting the
     event loop to keep that off it too. Idempotent and cheap once done.
     """
-    todo = [w for w in widths if w not in _WARM]
-    if not todo:
+    for w in widths:
+        _warm_base(w)
+        if ctx and w not in _WARM_CTX:
+            _warm_ctx(w)
+            _WARM_CTX.add(w)
+
+
+def _warm_base(w: int) -> None:
+    """The kernels of every encoding but ``ctx``, for element width ``w``."""
+    if w in _WARM:
         return
-    dtypes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-    for w in todo:
-        dt = dtypes[w]
-        n = 130
-        new, snap = np.ones(n, dt), np.zeros(n, dt)
-        pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
-        diff_update(new, snap.copy(), False, pos, nv, ov, 0)
-        k0 = kw.diff_positions(new, snap, pos, nv, 0)
-        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:k0])
-        kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:0])
-        gaps, nibs, exc = np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((w, n), np.uint8)
-        k, g, _, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc, 0)
-        encode_flat(pos, nv, ov, 0, -1, gaps, nibs, exc)
-        packed = np.zeros((k + 1) // 2, np.uint8)
-        pack_nibbles(nibs[:k], packed)
-        count_escapes(packed, np.array([k], np.int64), np.empty(1, np.int64))
-        out = np.empty(k, np.int64)
-        decode_gaps(gaps, 0, g, k, n, out, True)
-        decode_gaps(gaps, 0, g, k, n, out, False)
-        old = np.empty(k, dt)
-        kw.apply_flat_gaps_logged(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0, old)
-        kw.restore_gaps(np.zeros(n, dt), gaps, 0, k, old)
-        if w == 2:
-            src = np.ones(n, np.uint32)
-            diff_update(src, snap.copy(), True, pos, nv, ov, 0)
-            diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc, 0)
-        _warm_ctx(w, new, snap)
-        _WARM.add(w)
+    dt = _DTYPES[w]
+    n = 130
+    new, snap = np.ones(n, dt), np.zeros(n, dt)
+    pos, nv, ov = np.empty(n, np.int64), np.empty(n, dt), np.empty(n, dt)
+    diff_update(new, snap.copy(), False, pos, nv, ov, 0)
+    k0 = kw.diff_positions(new, snap, pos, nv, 0)
+    kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:k0])
+    kw.scatter(snap.copy(), pos[:k0], nv[:k0], ov[:0])
+    gaps, nibs, exc = np.empty(n * 10, np.uint8), np.empty(n, np.uint8), np.empty((w, n), np.uint8)
+    k, g, _, _, _, _, _ = diff_encode_flat(new, snap.copy(), False, gaps, nibs, exc, 0)
+    encode_flat(pos, nv, ov, 0, -1, gaps, nibs, exc)
+    packed = np.zeros((k + 1) // 2, np.uint8)
+    pack_nibbles(nibs[:k], packed)
+    count_escapes(packed, np.array([k], np.int64), np.empty(1, np.int64))
+    out = np.empty(k, np.int64)
+    decode_gaps(gaps, 0, g, k, n, out, True)
+    decode_gaps(gaps, 0, g, k, n, out, False)
+    old = np.empty(k, dt)
+    kw.apply_flat_gaps_logged(np.zeros(n, dt), gaps, 0, k, packed, 0, exc, 0, old)
+    kw.restore_gaps(np.zeros(n, dt), gaps, 0, k, old)
+    if w == 2:
+        src = np.ones(n, np.uint32)
+        diff_update(src, snap.copy(), True, pos, nv, ov, 0)
+        diff_encode_flat(src, snap.copy(), True, gaps, nibs, exc, 0)
+    _WARM.add(w)
 
 
-def _warm_ctx(w: int, new: np.ndarray, snap: np.ndarray) -> None:
+def _warm_ctx(w: int) -> None:
     """The ``ctx`` encoding's kernels: a tiny patch built, coded, decoded, written and undone."""
+    dt = _DTYPES[w]
+    new, snap = np.ones(130, dt), np.zeros(130, dt)
     from . import kernels_ctx as kc
     from . import kernels_ctx_coder as kcc
     from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables

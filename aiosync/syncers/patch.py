@@ -170,7 +170,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             raise
         self._is_sender = is_sender
         self._names = names
-        await run_sync(warm_up_kernels, [state_dict[k] for k in names])
+        await run_sync(warm_up_kernels, [state_dict[k] for k in names], self.config.encoding == "ctx")
         if not is_sender:
             self._slot_keys = names
             self._bootstrap_keys = boot
@@ -416,7 +416,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_no_reserved_keys(state_dict.keys())
         self._pending = None
         self._generation += 1  # staged writes of the previous handshake are void
-        await run_sync(warm_up_kernels, list(state_dict.values()))
+        await run_sync(warm_up_kernels, list(state_dict.values()), self.config.encoding == "ctx")
         meta = await run_sync(receiver_metadata, state_dict, new_session())
         await send(meta)
         hello = await recv_with_timeout(recv, self.config.recv_timeout, "the sender's answer to our metadata")

@@ -303,12 +303,13 @@ def held_bytes(obj: Any) -> int:
     return sum(seen.values())
 
 
-def warm_up_kernels(tensors) -> None:
-    """Compile (or load) the numba kernels for these tensors' element widths: numba holds the
-    GIL while compiling, so this belongs in a worker thread before the first use."""
+def warm_up_kernels(tensors, ctx: bool = False) -> None:
+    """Compile (or load) the numba kernels for these tensors' element widths (with ``ctx``, the
+    ``ctx`` encoding's too): numba holds the GIL while compiling, so this belongs in a worker
+    thread before the first use."""
     from .kernels_warmup import warm_up
 
-    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in BITS_DTYPES})))
+    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in BITS_DTYPES})), ctx)
 
 
 def _scatter_cpu(t: torch.Tensor, pos: torch.Tensor, new_bits: torch.Tensor, journal: Journal | None) -> None:
