@@ -50,16 +50,9 @@ def _records(n: int, changes: int, seed: int, dense_small: bool = True):
 
 def _code(records, counts, hist):
     gap, ctx, z = records
-    k = gap.size
     _, freqs, tmap = build_tables([hist])
-    ns, bound = kcc.stream_count(k), kcc.stream_bound(k)
-    buf = np.empty(ns * bound, np.uint8)
-    ends = np.arange(1, ns + 1, dtype=np.int64) * bound
-    starts = np.empty(ns, np.int64)
-    kcc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[2], buf, ends, starts)
-    parts = [buf[a:b] for a, b in zip(starts, ends)]
-    bounds = np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int64)
-    return np.concatenate(parts), bounds, freqs, tmap
+    cat, lens = kcc.encode_streams(gap, ctx, z, gap.size, encoder_tables(freqs), tmap, WIDTH_SLOT[2])
+    return cat, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), freqs, tmap
 
 
 def _decode(old, cat, bounds, params, counts, freqs, tmap):

@@ -144,6 +144,15 @@ def _tail_mask(src, snap, s, e, fused):  # pragma: no cover - compiled
     return m
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def block_mask(src, snap, s, e, fused):  # pragma: no cover - compiled
+    """The change mask of block ``[s, e)`` (64 elements but for the last block), after asking
+    for the data ``PREFETCH_BLOCKS`` blocks ahead: the builders' per-block first step."""
+    prefetch_block(src, s + PREFETCH_BLOCKS * 64)
+    prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
+    return change_mask(src, snap, s) if e - s == 64 else _tail_mask(src, snap, s, e, fused)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def diff_update(src, snap, fused, out_pos, out_new, out_old, base):  # pragma: no cover - compiled
     """Find elements where ``src`` and ``snap`` differ bitwise; record them; update ``snap``.
@@ -162,9 +171,7 @@ def diff_update(src, snap, fused, out_pos, out_new, out_old, base):  # pragma: n
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
-        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
-        m = change_mask(src, snap, s) if e - s == 64 else _tail_mask(src, snap, s, e, fused)
+        m = block_mask(src, snap, s, e, fused)
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
             for q in range(cnt):
@@ -401,9 +408,7 @@ def diff_encode_flat(src, snap, fused, gaps, nibs, exc, base=0):  # pragma: no c
     for b in range(nblocks):
         s = b * 64
         end = min(n, s + 64)
-        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
-        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
-        m = change_mask(src, snap, s) if end - s == 64 else _tail_mask(src, snap, s, end, fused)
+        m = block_mask(src, snap, s, end, fused)
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
             if k == 0 and cnt > 0:

@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _tail_mask, _tz64, _width, _zigzag, mix64
-from .kernels_simd import PREFETCH_BLOCKS, change_mask, ge_mask, prefetch_block
+from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _width, _zigzag, block_mask, mix64
+from .kernels_simd import ge_mask
 from .rans import symbol_of
 
 N_CLASSES = 4
@@ -38,32 +34,6 @@ N_VCTX = 16
 N_CONTEXTS = 4 * N_CLASSES + 4 * N_VCTX  # gap tables (width, class), value tables (width, value ctx)
 SEGMENT = 1 << 22  # elements per independently coded segment of a tensor (a format constant)
 BINS = 256  # exponent bins of the statistics
-
-
-@intrinsic
-def _pdep64(typingctx, src, mask):
-    """BMI2 parallel bit deposit (x86-64)."""
-    sig = types.uint64(types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fn = builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(i64, [i64, i64]))
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
-def _fast_pdep() -> bool:
-    """pdep is one fast instruction on Intel since Haswell and AMD since Zen 3 (microcoded before)."""
-    try:
-        features = llvm.get_host_cpu_features()
-        name = llvm.get_host_cpu_name()
-    except Exception:  # pragma: no cover - exotic hosts
-        return False
-    return bool(features.get("bmi2", False)) and name not in ("znver1", "znver2", "bdver4", "generic")
-
-
-FAST_PDEP = _fast_pdep()
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -143,9 +113,7 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
-        prefetch_block(src, s + PREFETCH_BLOCKS * 64)
-        prefetch_block(snap, s + PREFETCH_BLOCKS * 64)
-        m = change_mask(src, snap, s) if e - s == 64 else _tail_mask(src, snap, s, e, fused)
+        m = block_mask(src, snap, s, e, fused)
         lb = b - g0
         cms[lb, 0], cms[lb, 1], cms[lb, 2], cms[lb, 3] = _block_classes(snap, s, e, msk, t1, t2, t3)
         for c in range(N_CLASSES):

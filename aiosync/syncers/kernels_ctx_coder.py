@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from .kernels import _flatten, _popcount64, _width, mix64, unzigzag
-from .kernels_ctx import FAST_PDEP, N_CLASSES, N_VCTX, _block_classes, _pdep64, value_ctx
+from .kernels_ctx import N_CLASSES, N_VCTX, _block_classes, value_ctx
 from .kernels_simd import PREFETCH_BLOCKS, prefetch_block
 from .rans import RANS_L, flush, get_value, put_value, start_state
 
@@ -47,14 +51,28 @@ def lanes(total):  # pragma: no cover - compiled
 
 def stream_count(total: int) -> int:
     """Streams of a segment with ``total`` changes: none when empty, else ``2 * lanes``."""
-    return 0 if total == 0 else 2 * (MAX_LANES if total >= LANES_MIN else 1)
+    return 0 if total == 0 else 2 * lanes(total)
 
 
 def stream_bound(total: int) -> int:
     """Bytes one stream of a segment with ``total`` changes may take: four for its state, at
     most twelve per value (a symbol and five raw pieces) with slack."""
-    per_lane = -(-total // (MAX_LANES if total >= LANES_MIN else 1))
-    return 8 + 20 * (per_lane + 4)
+    return 8 + 20 * (-(-total // lanes(total)) + 4)
+
+
+def encode_streams(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot) -> tuple[np.ndarray, list[int]]:
+    """One segment's ``n`` records coded (:func:`encode_segment`): its streams back to back, and
+    the length of each (none for a segment without changes)."""
+    ns = stream_count(n)
+    if not ns:
+        return np.empty(0, np.uint8), []
+    bound = stream_bound(n)
+    buf = np.empty(ns * bound, np.uint8)
+    ends = np.arange(1, ns + 1, dtype=np.int64) * bound
+    starts = np.empty(ns, np.int64)
+    encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf, ends, starts)
+    parts = [buf[a:b] for a, b in zip(starts, ends)]
+    return np.concatenate(parts), [p.size for p in parts]
 
 
 # ------------------------------------------------------------------ the sender
@@ -151,6 +169,32 @@ def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf, ends, star
 
 
 # ------------------------------------------------------------------ the receiver
+@intrinsic
+def _pdep64(typingctx, src, mask):
+    """BMI2 parallel bit deposit (x86-64)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(i64, [i64, i64]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+def _fast_pdep() -> bool:
+    """pdep is one fast instruction on Intel since Haswell and AMD since Zen 3 (microcoded before)."""
+    try:
+        features = llvm.get_host_cpu_features()
+        name = llvm.get_host_cpu_name()
+    except Exception:  # pragma: no cover - exotic hosts
+        return False
+    return bool(features.get("bmi2", False)) and name not in ("znver1", "znver2", "bdver4", "generic")
+
+
+FAST_PDEP = _fast_pdep()
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _deposit(src, mask):  # pragma: no cover - compiled
     """The low ``popcount(mask)`` bits of ``src`` moved to the set bits of ``mask`` (pdep)."""

@@ -68,14 +68,13 @@ def _warm_base(w: int) -> None:
 
 def _warm_ctx(w: int) -> None:
     """The ``ctx`` encoding's kernels: a tiny patch built, coded, decoded, written and undone."""
-    dt = _DTYPES[w]
-    new, snap = np.ones(130, dt), np.zeros(130, dt)
     from . import kernels_ctx as kc
     from . import kernels_ctx_coder as kcc
     from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
     from .rans import NSYM, decoder_tables, encoder_tables
 
-    n, dt = new.size, new.dtype
+    n, dt = 130, _DTYPES[w]
+    new, snap = np.ones(n, dt), np.zeros(n, dt)
     thr, mm, stat = np.zeros(3, dt), np.array([np.iinfo(dt).max], dt), np.array([w * 8 - 1, 0, 0], np.int64)
     gap, ctx, z = np.empty(n, np.uint32), np.empty(n, np.uint8), np.empty(n, dt)
     counts, hc, hd = np.zeros(4, np.int64), np.zeros(kc.BINS, np.int64), np.zeros(kc.BINS, np.int64)
@@ -86,13 +85,10 @@ def _warm_ctx(w: int) -> None:
     kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
     kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
     _, freqs, tmap = build_tables([hist])
-    ns, bound = kcc.stream_count(k), kcc.stream_bound(k)
-    buf, ends, starts = np.empty(ns * bound, np.uint8), np.arange(1, ns + 1, dtype=np.int64) * bound, np.empty(ns, np.int64)
-    kcc.encode_segment(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w], buf, ends, starts)
-    parts = [buf[a:b] for a, b in zip(starts, ends)]
-    bounds = np.concatenate([[0], np.cumsum([q.size for q in parts])]).astype(np.int64)
+    cat, lens = kcc.encode_streams(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w])
+    bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     pos, codes = np.empty(k, np.int64), np.empty(k, dt)
-    kcc.decode_segment(snap, np.concatenate(parts), bounds, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
+    kcc.decode_segment(snap, cat, bounds, thr, mm, stat, counts, *decoder_tables(freqs), tmap,
                        WIDTH_SLOT[w], pos, codes, 0)
     target, old = snap.copy(), np.empty(k, dt)
     kcc.write_codes(target, pos, codes, old)

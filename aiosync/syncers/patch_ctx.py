@@ -240,16 +240,8 @@ def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], 
 
     def one(job):
         d, seg = job
-        ns = kcc.stream_count(seg.n)
-        if not ns:
-            return np.empty(0, np.uint8), []
-        bound = kcc.stream_bound(seg.n)
-        buf = np.empty(ns * bound, np.uint8)
-        ends = np.arange(1, ns + 1, dtype=np.int64) * bound
-        starts = np.empty(ns, np.int64)
-        kcc.encode_segment(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)], buf, ends, starts)
-        parts = [buf[a:b] for a, b in zip(starts, ends)]
-        return np.concatenate(parts), [p.size for p in parts[:-1]]
+        cat, lens = kcc.encode_streams(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)])
+        return cat, lens[:-1]
 
     coded = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
     streams = [c for c, _ in coded]

@@ -19,7 +19,6 @@ import torch
 from ..errors import DriftError, PayloadError
 from . import kernels_ctx as kc
 from . import kernels_ctx_coder as kcc
-from .kernels_ctx_coder import stream_count
 from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, ctx_format
 from .rans import NSYM, PROB_SCALE, decoder_tables
 
@@ -110,7 +109,7 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
                 raise PayloadError(f"ctx patch class counts of tensor ordinal {o} (segment {s}) claim {sum(seg)} "
                                    "changes, more than the segment has elements")
             c[s] = seg
-            lens.append(take(max(0, stream_count(sum(seg)) - 1), "the stream lengths"))
+            lens.append(take(max(0, kcc.stream_count(sum(seg)) - 1), "the stream lengths"))
         if int(c.sum()) != n:
             raise PayloadError(f"ctx patch class counts of tensor ordinal {o} add up to {int(c.sum())}, but "
                                f"nnz_per_tensor says {n}")
