@@ -39,19 +39,20 @@ def _records(n: int, changes: int, seed: int, dense_small: bool = True):
     mm = np.array([0x7FFF], np.uint16)
     stat = np.array([7, 127, 0x3C80 >> 7], np.int64)
     snap = old.copy()
-    gap, ctx, z = np.empty(n, np.uint32), np.empty(n, np.uint8), np.empty(n, np.uint16)
+    gap, ctx, z = np.empty((kc.N_CLASSES, n), np.uint32), np.empty(n, np.uint8), np.empty(n, np.uint16)
     counts = np.zeros(4, np.int64)
     hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
     k, _ = kc.diff_ctx(new, snap, False, thr, mm, stat, gap, ctx, z, counts, np.zeros(kc.BINS, np.int64),
-                       np.zeros(kc.BINS, np.int64), 0, hist, WIDTH_SLOT[2])
+                       np.zeros(kc.BINS, np.int64), 0, hist, WIDTH_SLOT[2], 1)
     assert k == changes and np.array_equal(snap, new)
-    return old, new, (gap[:k], ctx[:k], z[:k]), counts, hist, (thr, mm, stat)
+    gaps = np.concatenate([gap[c, :counts[c]] for c in range(kc.N_CLASSES)])  # class-major
+    return old, new, (gaps, ctx[:k], z[:k]), counts, hist, (thr, mm, stat)
 
 
 def _code(records, counts, hist):
     gap, ctx, z = records
     _, freqs, tmap = build_tables([hist])
-    cat, lens = kcc.encode_streams(gap, ctx, z, gap.size, encoder_tables(freqs), tmap, WIDTH_SLOT[2])
+    cat, lens = kcc.encode_streams(gap, ctx, z, counts, encoder_tables(freqs), tmap, WIDTH_SLOT[2])
     return cat, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), freqs, tmap
 
 

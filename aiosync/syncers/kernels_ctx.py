@@ -34,6 +34,11 @@ N_VCTX = 16
 N_CONTEXTS = 4 * N_CLASSES + 4 * N_VCTX  # gap tables (width, class), value tables (width, value ctx)
 SEGMENT = 1 << 22  # elements per independently coded segment of a tensor (a format constant)
 BINS = 256  # exponent bins of the statistics
+#: A build expecting at least ``SAMPLE_MIN`` changes (its tensors' changes in the previous build)
+#: counts the symbols of one group of blocks in ``SAMPLE_EVERY``: counting is a sixth of the
+#: builder's per-change work, and 2**16 samples or more fix the tables as well as all changes.
+SAMPLE_EVERY = 4
+SAMPLE_MIN = 1 << 18
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
@@ -76,19 +81,22 @@ def _block_classes(bits, s, e, msk, t1, t2, t3):  # pragma: no cover - compiled
 # ------------------------------------------------------------------ the builder
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, hc, hn_delta, base, hist,
-             wslot):  # pragma: no cover
+             wslot, every):  # pragma: no cover
     """Diff one segment, update ``snap``, record every change in position order.
 
     ``src``/``snap``/``fused`` as in :func:`~aiosync.syncers.kernels.diff_update`; ``thr`` holds
     the three class thresholds and ``mm`` (a one-element array) the magnitude mask, both in
     ``snap``'s dtype. ``stat`` = ``(mant_bits, bias, vtop)``. Change ``k`` gets
-    ``rec_gap[k]`` (elements of its class since the previous change of that class, or since the
-    segment start), ``rec_ctx[k] = class | value_ctx << 2`` and ``rec_z[k]`` (its zig-zag
-    value code). ``counts[c]`` counts the changes per class; ``hc[bin]`` the changes by the old
+    ``rec_ctx[k] = class | value_ctx << 2`` and ``rec_z[k]`` (its zig-zag value code); its gap
+    (elements of its class since the previous change of that class, or since the segment start)
+    goes to ``rec_gap[class, i]``, ``i`` counting the changes of its class: the gaps come out
+    class-major, the order the coder takes them in. ``counts[c]`` counts the changes per class; ``hc[bin]`` the changes by the old
     value's exponent bin and ``hn_delta`` the moves between bins (the sender's statistics).
     Returns ``(changes, drift hash)``; the hash sums :func:`mix64` of ``base + j`` and the old
     bits over the changes, modulo 2**64. The records' symbols are added to ``hist`` as
-    :func:`count_symbols` would (``wslot``: the width's table slot), in the same pass.
+    :func:`count_symbols` would (``wslot``: the width's table slot), in the same pass, but only
+    for the changes of one group of ``GROUP_BLOCKS`` blocks in ``every`` (a power of two; 1:
+    all): the tables of a large patch come from a sample (:data:`SAMPLE_EVERY`).
     """
     width = _width(snap)
     n = snap.shape[0]
@@ -110,6 +118,7 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     k = 0
     hsum = np.uint64(0)
     g0 = 0
+    skip = np.uint64(every - 1)
     for b in range(nblocks):
         s = b * 64
         e = min(n, s + 64)
@@ -122,6 +131,7 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
         cnt = _flatten(m, s, idx, cnt)
         if (b & (GROUP_BLOCKS - 1)) == GROUP_BLOCKS - 1 or b == nblocks - 1:
             ug0 = np.uint64(g0)
+            track = (np.uint64(b // GROUP_BLOCKS) & skip) == 0
             for q in range(cnt):  # unsigned indices below: no negative-index wrap-around code
                 j = np.uint64(idx[q])
                 lb = (j >> np.uint64(6)) - ug0
@@ -136,17 +146,18 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
                 hsum += mix64(np.uint64(base) + j, o)
                 gap = rank - prev[cu] - 1
                 ku = np.uint64(k)
-                rec_gap[ku] = gap
+                rec_gap[cu, np.uint64(counts[cu])] = gap
+                counts[cu] += 1
                 prev[cu] = rank
                 vc = value_ctx(o, mmask, mant_bits, vtop)
                 rec_ctx[ku] = np.uint8(c | (vc << 2))
                 zz = _zigzag(h, o, width)
                 rec_z[ku] = zz
-                sg, _ = symbol_of(np.uint64(gap))
-                hist[np.uint64(tg + c), np.uint64(sg)] += 1
-                sv, _ = symbol_of(np.uint64(zz) - one)
-                hist[np.uint64(tv + vc), np.uint64(sv)] += 1
-                counts[cu] += 1
+                if track:
+                    sg, _ = symbol_of(np.uint64(gap))
+                    hist[np.uint64(tg + c), np.uint64(sg)] += 1
+                    sv, _ = symbol_of(np.uint64(zz) - one)
+                    hist[np.uint64(tv + vc), np.uint64(sv)] += 1
                 bo = np.uint64(exp_bin(o, mmask, mant_bits, bias))
                 hc[bo] += 1
                 bn = np.uint64(exp_bin(h, mmask, mant_bits, bias))
@@ -205,14 +216,17 @@ def exp_histogram(bits, mm, mant_bits, bias, out):  # pragma: no cover - compile
 
 # ------------------------------------------------------------ symbols and coding
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def count_symbols(rec_gap, rec_ctx, rec_z, n, wslot, hist):  # pragma: no cover - compiled
-    """Add the symbols of ``n`` records to ``hist[table, symbol]``: gaps to table
-    ``wslot * N_CLASSES + class``, value codes (minus one: never zero) to
-    ``4 * N_CLASSES + wslot * N_VCTX + value context``."""
-    for i in range(n):
-        c = np.int64(rec_ctx[i] & 3)
+def count_symbols(rec_gap, counts, rec_ctx, rec_z, wslot, hist):  # pragma: no cover - compiled
+    """Add the symbols of one segment's records to ``hist[table, symbol]``: its gaps
+    (class-major, ``counts[c]`` of class ``c``) to table ``wslot * N_CLASSES + class``, its value
+    codes (minus one: never zero) to ``4 * N_CLASSES + wslot * N_VCTX + value context``."""
+    i = 0
+    for c in range(N_CLASSES):
+        for _ in range(counts[c]):
+            sg, _ = symbol_of(np.uint64(rec_gap[i]))
+            hist[wslot * N_CLASSES + c, sg] += 1
+            i += 1
+    for i in range(rec_ctx.shape[0]):
         v = np.int64(rec_ctx[i] >> 2)
-        sg, _ = symbol_of(np.uint64(rec_gap[i]))
-        hist[wslot * N_CLASSES + c, sg] += 1
         sv, _ = symbol_of(np.uint64(rec_z[i]) - np.uint64(1))
         hist[4 * N_CLASSES + wslot * N_VCTX + v, sv] += 1

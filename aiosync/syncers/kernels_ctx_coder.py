@@ -60,9 +60,10 @@ def stream_bound(total: int) -> int:
     return 8 + 20 * (-(-total // lanes(total)) + 4)
 
 
-def encode_streams(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot) -> tuple[np.ndarray, list[int]]:
-    """One segment's ``n`` records coded (:func:`encode_segment`): its streams back to back, and
-    the length of each (none for a segment without changes)."""
+def encode_streams(rec_gap, rec_ctx, rec_z, counts, enc, tmap, wslot) -> tuple[np.ndarray, list[int]]:
+    """One segment's records coded (:func:`encode_segment`; ``counts``: its changes per class):
+    its streams back to back, and the length of each (none for a segment without changes)."""
+    n = int(counts.sum())
     ns = stream_count(n)
     if not ns:
         return np.empty(0, np.uint8), []
@@ -70,7 +71,7 @@ def encode_streams(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot) -> tuple[np.nda
     buf = np.empty(ns * bound, np.uint8)
     ends = np.arange(1, ns + 1, dtype=np.int64) * bound
     starts = np.empty(ns, np.int64)
-    encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf, ends, starts)
+    encode_segment(rec_gap, rec_ctx, rec_z, n, counts, enc, tmap, wslot, buf, ends, starts)
     parts = [buf[a:b] for a, b in zip(starts, ends)]
     return np.concatenate(parts), [p.size for p in parts]
 
@@ -83,22 +84,22 @@ def _encode_gaps(gaps, nl, enc, t, buf, x, p):  # pragma: no cover - compiled
     i = gaps.shape[0] - 1
     while i >= 0 and (i & (nl - 1)) != nl - 1:  # the partial group at the end, one lane each
         s = i & (nl - 1)
-        x[s], p[s] = put_value(x[s], buf, p[s], enc, t, gaps[i])
+        x[s], p[s] = put_value(x[s], buf, p[s], enc, t, np.uint64(gaps[i]))
         i -= 1
     if nl == 4:
         x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
         p0, p1, p2, p3 = p[0], p[1], p[2], p[3]
         while i >= 3:
-            x3, p3 = put_value(x3, buf, p3, enc, t, gaps[i])
-            x2, p2 = put_value(x2, buf, p2, enc, t, gaps[i - 1])
-            x1, p1 = put_value(x1, buf, p1, enc, t, gaps[i - 2])
-            x0, p0 = put_value(x0, buf, p0, enc, t, gaps[i - 3])
+            x3, p3 = put_value(x3, buf, p3, enc, t, np.uint64(gaps[i]))
+            x2, p2 = put_value(x2, buf, p2, enc, t, np.uint64(gaps[i - 1]))
+            x1, p1 = put_value(x1, buf, p1, enc, t, np.uint64(gaps[i - 2]))
+            x0, p0 = put_value(x0, buf, p0, enc, t, np.uint64(gaps[i - 3]))
             i -= 4
         x[0], x[1], x[2], x[3] = x0, x1, x2, x3
         p[0], p[1], p[2], p[3] = p0, p1, p2, p3
     else:
         while i >= 0:
-            x[0], p[0] = put_value(x[0], buf, p[0], enc, t, gaps[i])
+            x[0], p[0] = put_value(x[0], buf, p[0], enc, t, np.uint64(gaps[i]))
             i -= 1
 
 
@@ -135,8 +136,9 @@ def _encode_values(rec_ctx, rec_z, n, nl, enc, tmap, tv, buf, x, p):  # pragma: 
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf, ends, starts):  # pragma: no cover
-    """rANS-code one segment's ``n`` records (in position order, as the builder wrote them).
+def encode_segment(rec_gap, rec_ctx, rec_z, n, counts, enc, tmap, wslot, buf, ends, starts):  # pragma: no cover
+    """rANS-code one segment's ``n`` records (as the builder wrote them: gaps class-major,
+    ``counts[c]`` of class ``c``; contexts and value codes in position order).
 
     Stream ``s`` (``0 … 2 L − 1``: gap lanes, then value lanes) is written backwards into
     ``buf`` ending at ``ends[s]``; its start goes to ``starts[s]``. ``tmap`` maps context ids
@@ -148,21 +150,13 @@ def encode_segment(rec_gap, rec_ctx, rec_z, n, enc, tmap, wslot, buf, ends, star
     nl = lanes(n)
     tg = wslot * N_CLASSES
     off = np.zeros(N_CLASSES + 1, np.int64)
-    for i in range(n):
-        off[np.int64(rec_ctx[i] & 3) + 1] += 1
     for c in range(N_CLASSES):
-        off[c + 1] += off[c]
-    gcm = np.empty(n, np.uint64)  # the gaps class-major
-    fill = off.copy()
-    for i in range(n):
-        c = np.int64(rec_ctx[i] & 3)
-        gcm[fill[c]] = np.uint64(rec_gap[i])
-        fill[c] += 1
+        off[c + 1] = off[c] + counts[c]
     x = np.full(2 * nl, np.uint64(RANS_L))
     p = ends[:2 * nl].copy()
     for c in range(N_CLASSES - 1, -1, -1):  # lanes are decoded class 0 first: coded class 3 first
         if off[c + 1] > off[c]:
-            _encode_gaps(gcm[off[c]:off[c + 1]], nl, enc, tmap[tg + c], buf, x, p)
+            _encode_gaps(rec_gap[off[c]:off[c + 1]], nl, enc, tmap[tg + c], buf, x, p)
     _encode_values(rec_ctx, rec_z, n, nl, enc, tmap, 4 * N_CLASSES + wslot * N_VCTX, buf, x, p)
     for s in range(2 * nl):
         starts[s] = flush(x[s], buf, p[s])

@@ -76,16 +76,18 @@ def _warm_ctx(w: int) -> None:
     n, dt = 130, _DTYPES[w]
     new, snap = np.ones(n, dt), np.zeros(n, dt)
     thr, mm, stat = np.zeros(3, dt), np.array([np.iinfo(dt).max], dt), np.array([w * 8 - 1, 0, 0], np.int64)
-    gap, ctx, z = np.empty(n, np.uint32), np.empty(n, np.uint8), np.empty(n, dt)
+    gap, ctx, z = np.empty((kc.N_CLASSES, n), np.uint32), np.empty(n, np.uint8), np.empty(n, dt)
     counts, hc, hd = np.zeros(4, np.int64), np.zeros(kc.BINS, np.int64), np.zeros(kc.BINS, np.int64)
     sources = [(new, False)] + ([(np.ones(n, np.uint32), True)] if w == 2 else [])
     for src, fused in reversed(sources):  # the plain source last: its records are coded below
         hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
-        k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0, hist, WIDTH_SLOT[w])
+        k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0, hist, WIDTH_SLOT[w], 1)
     kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
-    kc.count_symbols(gap, ctx, z, k, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
+    gap = np.concatenate([gap[c, :counts[c]] for c in range(kc.N_CLASSES)])
+    ctx, z = ctx[:k], z[:k]
+    kc.count_symbols(gap, counts, ctx, z, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
     _, freqs, tmap = build_tables([hist])
-    cat, lens = kcc.encode_streams(gap, ctx, z, k, encoder_tables(freqs), tmap, WIDTH_SLOT[w])
+    cat, lens = kcc.encode_streams(gap, ctx, z, counts, encoder_tables(freqs), tmap, WIDTH_SLOT[w])
     bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     pos, codes = np.empty(k, np.int64), np.empty(k, dt)
     kcc.decode_segment(snap, cat, bounds, thr, mm, stat, counts, *decoder_tables(freqs), tmap,

@@ -27,7 +27,7 @@ import torch
 
 from . import kernels_ctx as kc
 from . import kernels_ctx_coder as kcc
-from .rans import NSYM, encoder_tables, normalize
+from .rans import NSYM, encoder_tables, normalize, symbol_of
 from .snapshot import _np_bits
 
 N_CONTEXTS = kc.N_CONTEXTS
@@ -105,8 +105,8 @@ class Segment:
     start: int
     n: int
     counts: np.ndarray  # changes per class
-    gap: np.ndarray
-    ctx: np.ndarray
+    gap: np.ndarray  # class-major: the gaps of class 0's changes, then class 1's, …
+    ctx: np.ndarray  # position order, as ``z``
     z: np.ndarray
 
 
@@ -121,6 +121,7 @@ class CtxDiff:
     thr: tuple[int, int, int]
     vtop: int
     hist: np.ndarray  # symbol counts per context
+    sampled: bool = False  # ``hist`` counts a sample of the changes (see :func:`build_tables`)
 
 
 class CtxBuilder:
@@ -149,6 +150,8 @@ class CtxBuilder:
         snap = self.snapshot
         slots = list(range(len(tensors))) if slots is None else slots
         snap.wait_writeback()
+        expected = sum(int(self.models[i].hc.sum()) for i in slots if self.models[i].hc is not None)
+        every = kc.SAMPLE_EVERY if expected >= kc.SAMPLE_MIN else 1
         sources = {}
         pieces: list[tuple[int, int, int]] = []
         for i, t in zip(slots, tensors):
@@ -158,7 +161,7 @@ class CtxBuilder:
             sources[i] = (flat, snap.bits(i), *snap.kernel_source(flat, i))
             n = flat.numel()
             pieces += [(i, start, min(n, start + kc.SEGMENT)) for start in range(0, max(n, 1), kc.SEGMENT)]
-        outs = snap.map_pieces(pieces, lambda i, start, end: self._segment(sources[i], i, start, end))
+        outs = snap.map_pieces(pieces, lambda i, start, end: self._segment(sources[i], i, start, end, every))
         per_slot: dict[int, list] = {}
         for (i, _, _), out in zip(pieces, outs):
             per_slot.setdefault(i, []).append(out)
@@ -182,7 +185,7 @@ class CtxBuilder:
             model.hc = hc
             model.plan()  # for the next build
             if nnz:
-                diffs.append(CtxDiff(i, nnz, segments, old_hash, thr, vtop, hist))
+                diffs.append(CtxDiff(i, nnz, segments, old_hash, thr, vtop, hist, every > 1))
         return diffs
 
     def _scratch(self, width: int):
@@ -191,11 +194,12 @@ class CtxBuilder:
             cache = self._local.bufs = {}
         if width not in cache:
             n = kc.SEGMENT
-            cache[width] = (np.empty(n, np.uint32), np.empty(n, np.uint8), np.empty(n, _NP_UINT[width]))
+            cache[width] = (np.empty((kc.N_CLASSES, n), np.uint32), np.empty(n, np.uint8), np.empty(n, _NP_UINT[width]))
         return cache[width]
 
-    def _segment(self, source, slot: int, start: int, end: int):
-        """Diff and record elements ``[start, end)`` of one tensor (in a worker thread)."""
+    def _segment(self, source, slot: int, start: int, end: int, every: int):
+        """Diff and record elements ``[start, end)`` of one tensor (in a worker thread), counting
+        the symbols of one group of blocks in ``every``."""
         flat, snap_np, src_np, fused = source
         model = self.models[slot]
         width = snap_np.itemsize
@@ -211,17 +215,27 @@ class CtxBuilder:
         hn_delta = np.zeros(kc.BINS, np.int64)
         hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
         k, h = kc.diff_ctx(src, snap_np[start:end], fused, thr, mm, model.stat(), gap, ctx, z, counts, hc,
-                           hn_delta, start, hist, WIDTH_SLOT[width])
-        seg = Segment(start, k, counts, gap[:k].copy(), ctx[:k].copy(), z[:k].copy())
+                           hn_delta, start, hist, WIDTH_SLOT[width], every)
+        gaps = np.concatenate([gap[c, :counts[c]] for c in range(kc.N_CLASSES)])
+        seg = Segment(start, k, counts, gaps, ctx[:k].copy(), z[:k].copy())
         return seg, int(h), hc, hn_delta, hist
 
 
 # ------------------------------------------------------------------- coding
-def build_tables(hists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(context ids in use, their frequencies, context → table row map)`` from symbol counts."""
+def build_tables(hists: list[np.ndarray], complete: set[int] = frozenset()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(context ids in use, their frequencies, context → table row map)`` from symbol counts.
+
+    ``complete`` names width slots whose counts are a sample: every context of such a width
+    gets a table, and every symbol its records can hold one more count, so that no change
+    the sample missed lacks a code (a few hundred bytes of tables; under 0.01 bits a symbol).
+    """
     total = hists[0].copy()
     for h in hists[1:]:
         total += h
+    for w in complete:
+        gaps, values = _context_rows(w)
+        total[gaps, :_SYMBOLS_GAP] += 1
+        total[values, :_symbols_value(w)] += 1
     used = np.nonzero(total.sum(axis=1))[0]
     freqs = np.zeros((max(1, used.size), NSYM), np.int64)
     for row, cid in enumerate(used):
@@ -231,16 +245,31 @@ def build_tables(hists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.nd
     return used, freqs, tmap
 
 
+def _context_rows(wslot: int) -> tuple[slice, slice]:
+    """The rows of width slot ``wslot``'s gap tables and value tables."""
+    nc, nv = kc.N_CLASSES, kc.N_VCTX
+    return slice(wslot * nc, (wslot + 1) * nc), slice(4 * nc + wslot * nv, 4 * nc + (wslot + 1) * nv)
+
+
+_SYMBOLS_GAP = int(symbol_of(np.uint64(kc.SEGMENT - 1))[0]) + 1  # gaps lie below a segment
+
+
+def _symbols_value(wslot: int) -> int:
+    """Symbols of a value code minus one: below ``2**(8 * width)``."""
+    width = 1 << wslot
+    return NSYM if width == 8 else int(symbol_of(np.uint64((1 << 8 * width) - 1))[0]) + 1
+
+
 def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], list[int]]:
     """rANS-code every segment of ``diffs``; returns ``(streams, bytes per segment, model)``,
     ``model`` being the integers of the model header (written as varints)."""
-    used, freqs, tmap = build_tables([d.hist for d in diffs])
+    used, freqs, tmap = build_tables([d.hist for d in diffs], {WIDTH_SLOT[_width_of(d.segments[0])] for d in diffs if d.sampled})
     enc = encoder_tables(freqs)
     jobs = [(d, seg) for d in diffs for seg in d.segments]
 
     def one(job):
         d, seg = job
-        cat, lens = kcc.encode_streams(seg.gap, seg.ctx, seg.z, seg.n, enc, tmap, WIDTH_SLOT[_width_of(seg)])
+        cat, lens = kcc.encode_streams(seg.gap, seg.ctx, seg.z, seg.counts, enc, tmap, WIDTH_SLOT[_width_of(seg)])
         return cat, lens[:-1]
 
     coded = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
@@ -327,12 +356,13 @@ def diffs_from_tensor_diffs(builder: CtxBuilder, diffs) -> list[CtxDiff]:
         for s in range(n_seg):
             sel = seg_of == s
             counts = np.bincount(c_at[sel], minlength=kc.N_CLASSES).astype(np.int64)
-            segments.append(Segment(s * kc.SEGMENT, int(sel.sum()), counts, gap[sel].astype(np.uint32),
-                                    ctx[sel], z[sel]))
+            gaps, cs = gap[sel], c_at[sel]
+            gaps = np.concatenate([gaps[cs == c] for c in range(kc.N_CLASSES)]).astype(np.uint32)  # class-major
+            segments.append(Segment(s * kc.SEGMENT, int(sel.sum()), counts, gaps, ctx[sel], z[sel]))
         hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
         for seg in segments:
             if seg.n:
-                kc.count_symbols(seg.gap, seg.ctx, seg.z, seg.n, WIDTH_SLOT[width], hist)
+                kc.count_symbols(seg.gap, seg.counts, seg.ctx, seg.z, WIDTH_SLOT[width], hist)
         bins_old = np.clip(e_old - model.bias + 128, 0, kc.BINS - 1)
         e_new = ((new_np & np.uint64(model.magmask)) >> np.uint64(model.mant_bits)).astype(np.int64)
         bins_new = np.clip(e_new - model.bias + 128, 0, kc.BINS - 1)
