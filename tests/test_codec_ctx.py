@@ -65,6 +65,23 @@ def test_rans_round_trips_any_integers_and_ends_in_its_initial_state(values):
     assert nbytes % 2 == 0 and nbytes >= 4
 
 
+def test_encoder_steps_divide_exactly_for_every_frequency():
+    """The encoder's reciprocals give ``C(x) = (x // f) · 2**12 + x % f + start`` for every
+    frequency ``f`` and state ``x`` the coder can hold before a step (below ``x_max``)."""
+    f = np.arange(1, rans.PROB_SCALE + 1, dtype=np.int64)
+    freqs = np.zeros((f.size, rans.NSYM), np.int64)
+    freqs[:, 0] = f
+    freqs[:, 1] = rans.PROB_SCALE - f  # (zero when f is the whole scale)
+    enc = rans.encoder_tables(freqs)[:, 0].astype(object)
+    rng = np.random.default_rng(0)
+    for x in [int(v) for v in rng.integers(rans.RANS_L, 2**31, 8)] + [rans.RANS_L, 2**31 - 1]:
+        keep = x < enc[:, 0]  # a state at or above x_max is renormalised first
+        q = ((x * enc[:, 1]) >> 32) >> enc[:, 2]
+        got = x + enc[:, 3] + q * enc[:, 4]
+        want = (x // f) * rans.PROB_SCALE + x % f  # start 0: symbol 0 is first
+        assert (got[keep] == want[keep]).all(), x
+
+
 def test_rans_spends_a_fraction_of_a_bit_on_a_likely_symbol():
     values = np.zeros(100_000, np.uint64)
     values[::50] = 1  # p(0) = 0.98: 0.14 bits per symbol of entropy; a prefix code needs at least 1
@@ -102,6 +119,32 @@ def test_class_split_puts_the_dense_small_values_apart():
     assert cuts == sorted(cuts) and len(cuts) == 3
     assert cuts[0] == 103 or 103 in cuts  # a boundary where the density drops
     assert _split_bins(hn, None) == sorted(_split_bins(hn, None))  # the first build's quantile split
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_class_split_is_the_best_contiguous_split(seed):
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    size = 9
+    hn = rng.integers(1, 1000, size).astype(np.float64)
+    hc = np.minimum(hn, rng.integers(0, 600, size)).astype(np.float64)
+
+    def bits(a, b):
+        nn, ch = hn[a:b].sum(), hc[a:b].sum()
+        if nn == 0 or not 0 < ch < nn:
+            return 0.0
+        p = ch / nn
+        return -nn * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+
+    def total(starts):
+        edges = [*starts, size]
+        return sum(bits(edges[i], edges[i + 1]) for i in range(len(starts)))
+
+    best = min(total((0, *c)) for c in itertools.combinations(range(1, size), kc.N_CLASSES - 1))
+    got = kc.best_split(hn, hc)
+    assert got[0] == 0 and list(got) == sorted(set(got))
+    assert total(tuple(int(x) for x in got)) == pytest.approx(best)
 
 
 # ------------------------------------------------------------------ values at the extremes

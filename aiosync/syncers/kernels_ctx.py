@@ -181,6 +181,14 @@ def best_split(hn, hc):  # pragma: no cover - compiled
     for i in range(size):
         cn[i + 1] = cn[i] + hn[i]
         cc[i + 1] = cc[i] + hc[i]
+    cost = np.zeros((size + 1, size + 1))  # bits of the change mask of bins [i, j) as one class
+    for i in range(size):
+        for j in range(i + 1, size + 1):
+            nn = cn[j] - cn[i]
+            ch = cc[j] - cc[i]
+            if nn > 0 and 0 < ch < nn:
+                p = ch / nn
+                cost[i, j] = -nn * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
     kmax = min(N_CLASSES, size)
     best = np.full((kmax + 1, size + 1), np.inf)
     arg = np.zeros((kmax + 1, size + 1), np.int64)
@@ -188,13 +196,7 @@ def best_split(hn, hc):  # pragma: no cover - compiled
     for k in range(1, kmax + 1):
         for j in range(1, size + 1):
             for i in range(k - 1, j):
-                nn = cn[j] - cn[i]
-                ch = cc[j] - cc[i]
-                cost = 0.0
-                if nn > 0 and 0 < ch < nn:
-                    p = ch / nn
-                    cost = -nn * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
-                v = best[k - 1, i] + cost
+                v = best[k - 1, i] + cost[i, j]
                 if v < best[k, j]:
                     best[k, j] = v
                     arg[k, j] = i

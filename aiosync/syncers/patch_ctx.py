@@ -20,6 +20,7 @@ change mask). Thresholds travel with the patch, so how they were chosen never af
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,32 +162,43 @@ class CtxBuilder:
             sources[i] = (flat, snap.bits(i), *snap.kernel_source(flat, i))
             n = flat.numel()
             pieces += [(i, start, min(n, start + kc.SEGMENT)) for start in range(0, max(n, 1), kc.SEGMENT)]
-        outs = snap.map_pieces(pieces, lambda i, start, end: self._segment(sources[i], i, start, end, every))
-        per_slot: dict[int, list] = {}
-        for (i, _, _), out in zip(pieces, outs):
-            per_slot.setdefault(i, []).append(out)
-        diffs = []
-        for i in sorted(per_slot):
-            parts = per_slot[i]
-            model = self.models[i]
-            hc = np.zeros(kc.BINS, np.int64)
-            nnz, old_hash = 0, 0
-            hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
-            segments = []
-            for seg, h, seg_hc, hn_delta, seg_hist in parts:
-                nnz += seg.n
-                old_hash = (old_hash + h) & 0xFFFFFFFFFFFFFFFF
-                hc += seg_hc
-                model.hn += hn_delta
-                if seg.n:
-                    hist += seg_hist
-                segments.append(seg)
-            thr, vtop = model.thr, model.vtop
-            model.hc = hc
-            model.plan()  # for the next build
-            if nnz:
-                diffs.append(CtxDiff(i, nnz, segments, old_hash, thr, vtop, hist, every > 1))
-        return diffs
+        left = Counter(i for i, _, _ in pieces)
+        done: dict[int, list] = {}
+        diffs: dict[int, CtxDiff | None] = {}
+        lock = threading.Lock()
+
+        def run(i: int, start: int, end: int) -> None:
+            out = self._segment(sources[i], i, start, end, every)
+            with lock:
+                done.setdefault(i, []).append((start, out))
+                left[i] -= 1
+                last = not left[i]
+            if last:  # the tensor's last segment: its worker closes it while the other worker diffs on
+                diffs[i] = self._close(i, [part for _, part in sorted(done.pop(i), key=lambda p: p[0])], every)
+
+        snap.map_pieces(pieces, run)
+        return [diffs[i] for i in sorted(diffs) if diffs[i] is not None]
+
+    def _close(self, slot: int, parts: list, every: int) -> CtxDiff | None:
+        """One tensor's segments (in order) as a :class:`CtxDiff` (``None`` without changes);
+        its statistics updated and the next build planned."""
+        model = self.models[slot]
+        hc = np.zeros(kc.BINS, np.int64)
+        nnz, old_hash = 0, 0
+        hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
+        segments = []
+        for seg, h, seg_hc, hn_delta, seg_hist in parts:
+            nnz += seg.n
+            old_hash = (old_hash + h) & 0xFFFFFFFFFFFFFFFF
+            hc += seg_hc
+            model.hn += hn_delta
+            if seg.n:
+                hist += seg_hist
+            segments.append(seg)
+        thr, vtop = model.thr, model.vtop
+        model.hc = hc
+        model.plan()  # for the next build
+        return CtxDiff(slot, nnz, segments, old_hash, thr, vtop, hist, every > 1) if nnz else None
 
     def _scratch(self, width: int):
         cache = getattr(self._local, "bufs", None)

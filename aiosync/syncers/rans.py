@@ -247,22 +247,22 @@ def normalize(counts: np.ndarray) -> np.ndarray:
 
 def encoder_tables(freqs: np.ndarray) -> np.ndarray:
     """Per table and symbol: ``x_max``, reciprocal, shift, bias, ``PROB_SCALE − f`` (uint64)."""
-    n_tables, nsym = freqs.shape
-    enc = np.zeros((n_tables, nsym, 5), np.uint64)
-    for t in range(n_tables):
-        cum = 0
-        for s in range(nsym):
-            f = int(freqs[t, s])
-            if f:
-                enc[t, s, _XMAX] = ((RANS_L >> PROB_BITS) << 16) * f
-                enc[t, s, _CMPL] = PROB_SCALE - f
-                if f == 1:  # q = x − 1 with the all-ones reciprocal: C(x) = x·2**PROB_BITS + start
-                    enc[t, s, _RCP], enc[t, s, _SHIFT], enc[t, s, _BIAS] = 0xFFFFFFFF, 0, cum + PROB_SCALE - 1
-                else:  # q = floor(x / f) for every state x < 2**31
-                    shift = (f - 1).bit_length()
-                    enc[t, s, _RCP] = ((1 << (shift + 31)) + f - 1) // f
-                    enc[t, s, _SHIFT], enc[t, s, _BIAS] = shift - 1, cum
-            cum += f
+    f = np.asarray(freqs, np.int64)
+    cum = np.cumsum(f, axis=1) - f
+    enc = np.zeros((*f.shape, 5), np.uint64)
+    seen = f > 0
+    enc[..., _XMAX] = np.where(seen, ((RANS_L >> PROB_BITS) << 16) * f, 0)
+    enc[..., _CMPL] = np.where(seen, PROB_SCALE - f, 0)
+    # f == 1: q = x − 1 with the all-ones reciprocal, C(x) = x·2**PROB_BITS + start
+    # else:   q = floor(x / f) for every state x < 2**31
+    shift = np.zeros_like(f)
+    many = f > 1
+    shift[many] = np.ceil(np.log2(f[many])).astype(np.int64)  # (f − 1).bit_length(), exact for f ≤ 2**12
+    fs = np.maximum(f, 1)
+    rcp = ((np.int64(1) << (shift + 31)) + fs - 1) // fs  # below 2**44: exact in int64
+    enc[..., _RCP] = np.where(many, rcp, np.where(f == 1, 0xFFFFFFFF, 0)).astype(np.uint64)
+    enc[..., _SHIFT] = np.where(many, shift - 1, 0)
+    enc[..., _BIAS] = np.where(many, cum, np.where(f == 1, cum + PROB_SCALE - 1, 0))
     return enc
 
 
