@@ -183,16 +183,15 @@ class CtxBuilder:
         """One tensor's segments (in order) as a :class:`CtxDiff` (``None`` without changes);
         its statistics updated and the next build planned."""
         model = self.models[slot]
-        hc = np.zeros(kc.BINS, np.int64)
+        _, _, hc, _, hist = parts[0]  # (most tensors are one segment: its arrays serve as they are)
         nnz, old_hash = 0, 0
-        hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
         segments = []
-        for seg, h, seg_hc, hn_delta, seg_hist in parts:
+        for n, (seg, h, seg_hc, hn_delta, seg_hist) in enumerate(parts):
             nnz += seg.n
             old_hash = (old_hash + h) & 0xFFFFFFFFFFFFFFFF
-            hc += seg_hc
             model.hn += hn_delta
-            if seg.n:
+            if n:
+                hc += seg_hc
                 hist += seg_hist
             segments.append(seg)
         thr, vtop = model.thr, model.vtop
