@@ -182,6 +182,22 @@ def test_ctx_format_of_every_dtype():
     assert ctx_format(None, 1) == (0xFF, 7, 0)
 
 
+async def test_ctx_builder_scratch_fits_the_model_and_is_counted():
+    g = torch.Generator().manual_seed(4)
+    src = {"w": (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16), "b": torch.randn(40, generator=g)}
+    dst = {k: v.clone() for k, v in src.items()}
+    s, r, a, b = await connect(src, dst, "ctx", False, "none")
+    before = s._snapshot.scratch_bytes
+    change(src["w"], torch.arange(0, 5000, 7), g)
+    change(src["b"], torch.tensor([1, 2]), g)
+    await s.sync(src, a.send, 1)
+    assert await r.apply(dst, b.recv) == 1
+    assert_same_bits(src, dst)
+    grown = s._snapshot.scratch_bytes - before
+    # the record buffers of the longest tensor of each width (bf16: 5000, fp32: 40), per thread that built
+    assert 0 < grown <= 2 * (5000 * (4 * kc.N_CLASSES + 1 + 2) + 40 * (4 * kc.N_CLASSES + 1 + 4))
+
+
 # ------------------------------------------------------------------ several segments
 async def test_ctx_tensor_of_several_segments_round_trips_bit_exact():
     n = kc.SEGMENT * 2 + 1000

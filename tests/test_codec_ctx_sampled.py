@@ -13,7 +13,7 @@ from aiosync.syncers import kernels_ctx as kc
 from aiosync.syncers.kernels import GROUP_BLOCKS
 from aiosync.syncers.patch_ctx import N_CONTEXTS, WIDTH_SLOT, _context_rows, build_tables
 from aiosync.syncers.rans import NSYM, symbol_of
-from codec_cases import assert_same_bits, connect
+from codec_cases import assert_same_bits, connect, make_state, mutate
 
 GROUP = GROUP_BLOCKS * 64  # elements per group of blocks
 
@@ -115,3 +115,16 @@ async def test_sampled_tables_cost_under_one_percent_more_bytes_at_the_sampling_
         assert_same_bits(src, dst)
         sizes[name] = s.statistics().bytes
     assert sizes["exact"] < sizes["sampled"] < 1.01 * sizes["exact"]
+
+
+@pytest.mark.parametrize("case", ["all", "first_last", "nan", "single"])
+async def test_sampled_tables_code_every_dtype_and_edge_case(monkeypatch, case):
+    monkeypatch.setattr(kc, "SAMPLE_MIN", 0)  # every build samples: every width's tables are completed
+    src = make_state(3)
+    dst = {k: v.clone() for k, v in src.items()}
+    s, r, a, b = await connect(src, dst, "ctx", False, "none")
+    for version in (1, 2):
+        mutate(src, case, seed=version)
+        await s.sync(src, a.send, version)
+        assert await r.apply_payload(dst, await b.recv()) == version
+        assert_same_bits(src, dst)

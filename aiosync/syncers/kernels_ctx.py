@@ -90,8 +90,9 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
     ``rec_ctx[k] = class | value_ctx << 2`` and ``rec_z[k]`` (its zig-zag value code); its gap
     (elements of its class since the previous change of that class, or since the segment start)
     goes to ``rec_gap[class, i]``, ``i`` counting the changes of its class: the gaps come out
-    class-major, the order the coder takes them in. ``counts[c]`` counts the changes per class; ``hc[bin]`` the changes by the old
-    value's exponent bin and ``hn_delta`` the moves between bins (the sender's statistics).
+    class-major, the order the coder takes them in. ``counts[c]`` counts the changes per class;
+    ``hc[bin]`` the changes by the old value's exponent bin and ``hn_delta`` the moves between
+    bins (the sender's statistics).
     Returns ``(changes, drift hash)``; the hash sums :func:`mix64` of ``base + j`` and the old
     bits over the changes, modulo 2**64. The records' symbols are added to ``hist`` as
     :func:`count_symbols` would (``wslot``: the width's table slot), in the same pass, but only

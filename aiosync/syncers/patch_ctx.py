@@ -199,13 +199,16 @@ class CtxBuilder:
         model.plan()  # for the next build
         return CtxDiff(slot, nnz, segments, old_hash, thr, vtop, hist, every > 1) if nnz else None
 
-    def _scratch(self, width: int):
+    def _scratch(self, width: int, need: int):
+        """This thread's record buffers for a segment of ``need`` elements of ``width`` bytes
+        (sized for the longest segment the snapshot has, so taken once)."""
         cache = getattr(self._local, "bufs", None)
         if cache is None:
             cache = self._local.bufs = {}
-        if width not in cache:
-            n = kc.SEGMENT
+        if width not in cache or cache[width][1].size < need:
+            n = max(need, self.snapshot.scratch_elems(width, kc.SEGMENT))
             cache[width] = (np.empty((kc.N_CLASSES, n), np.uint32), np.empty(n, np.uint8), np.empty(n, _NP_UINT[width]))
+            self.snapshot.count_scratch(n * (4 * kc.N_CLASSES + 1 + width))
         return cache[width]
 
     def _segment(self, source, slot: int, start: int, end: int, every: int):
@@ -214,7 +217,7 @@ class CtxBuilder:
         flat, snap_np, src_np, fused = source
         model = self.models[slot]
         width = snap_np.itemsize
-        gap, ctx, z = self._scratch(width)
+        gap, ctx, z = self._scratch(width, end - start)
         if src_np is None:  # torch casts this segment into a scratch buffer first
             src, fused = self.snapshot.cast_source(flat[start:end], slot)
         else:

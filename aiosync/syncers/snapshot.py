@@ -282,7 +282,12 @@ class Snapshot:
     def _scratch_elems(self, width: int) -> int:
         """Elements of a scratch buffer for tensors of ``width`` bytes: a chunk, or fewer when no
         such tensor is that long."""
-        return max(1, min(self.chunk_elems, getattr(self, "_widest", {}).get(width, self.chunk_elems)))
+        return self.scratch_elems(width, self.chunk_elems)
+
+    def scratch_elems(self, width: int, most: int) -> int:
+        """Elements of a builder's scratch buffer for tensors of ``width`` bytes: ``most``, or
+        fewer when no such tensor of the snapshot is that long."""
+        return max(1, min(most, getattr(self, "_widest", {}).get(width, most)))
 
     def _buffers(self, dtype: torch.dtype, np_dtype) -> tuple:
         cache = self._cache("bufs")
@@ -295,10 +300,11 @@ class Snapshot:
                 np.empty(n, np_dtype),
                 np.empty(n, np_dtype),
             )
-            self._count_scratch(n * (dtype.itemsize + 8 + 2 * np.dtype(np_dtype).itemsize))
+            self.count_scratch(n * (dtype.itemsize + 8 + 2 * np.dtype(np_dtype).itemsize))
         return cache[key]
 
-    def _count_scratch(self, nbytes: int) -> None:
+    def count_scratch(self, nbytes: int) -> None:
+        """Add a builder's scratch buffer to :attr:`scratch_bytes` (the sender's memory reports)."""
         with self._scratch_lock:
             self.scratch_bytes += nbytes
 
@@ -418,14 +424,14 @@ class Snapshot:
             # varint bytes of a chunk <= changes + (sum of gaps) / 128 + 9 <= n + n // 128 + 9
             cache[width] = (np.empty(n + n // 64 + 16, np.uint8), np.empty(n, np.uint8), np.empty((width, n), np.uint8),
                             {})
-            self._count_scratch(n + n // 64 + 16 + n + width * n)
+            self.count_scratch(n + n // 64 + 16 + n + width * n)
         gaps, nibs, exc, casts = cache[width]
         if src_np is None:  # torch casts this chunk into a scratch buffer first
             snap = self._snaps[slot]
             if snap.dtype not in casts:
                 n = self._scratch_elems(width)
                 casts[snap.dtype] = torch.empty(n, dtype=snap.dtype)
-                self._count_scratch(n * snap.element_size())
+                self.count_scratch(n * snap.element_size())
             src, fused = self._source(flat[start:end], snap, casts[snap.dtype])
         else:
             src = src_np[start:end]
