@@ -45,8 +45,7 @@ def _records(n: int, changes: int, seed: int, dense_small: bool = True):
     k, _ = kc.diff_ctx(new, snap, False, thr, mm, stat, gap, ctx, z, counts, np.zeros(kc.BINS, np.int64),
                        np.zeros(kc.BINS, np.int64), 0, hist, WIDTH_SLOT[2], 1)
     assert k == changes and np.array_equal(snap, new)
-    gaps = np.concatenate([gap[c, :counts[c]] for c in range(kc.N_CLASSES)])  # class-major
-    return old, new, (gaps, ctx[:k], z[:k]), counts, hist, (thr, mm, stat)
+    return old, new, (kc.class_major(gap, counts), ctx[:k], z[:k]), counts, hist, (thr, mm, stat)
 
 
 def _code(records, counts, hist):

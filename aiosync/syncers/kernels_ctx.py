@@ -12,7 +12,7 @@ chosen by the old value's exponent. See docs/wire-format.md ("ctx") for the layo
 * :func:`diff_ctx` — the builder: diff a chunk against the snapshot (as
   :func:`~aiosync.syncers.kernels.diff_encode_flat`), update it, and emit one record per change
   (class-local gap, context byte, value code), plus the drift hash and the statistics the next
-  build picks its thresholds from.
+  build picks its thresholds from; :func:`class_major` joins its per-class gap rows.
 * :func:`count_symbols` — histograms of the records' symbols (the numba builder counts them as
   it records; this is for the torch path).
 
@@ -169,6 +169,12 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
             cnt = 0
             g0 = b + 1
     return k, hsum
+
+
+def class_major(rec_gap: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The gaps :func:`diff_ctx` wrote into the rows of ``rec_gap``, as one class-major array
+    (class 0's ``counts[0]`` gaps, then class 1's, …): what the coder takes."""
+    return np.concatenate([rec_gap[c, :counts[c]] for c in range(N_CLASSES)])
 
 
 @numba.njit(nogil=True, cache=True)

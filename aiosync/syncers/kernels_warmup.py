@@ -83,8 +83,7 @@ def _warm_ctx(w: int) -> None:
         hist = np.zeros((N_CONTEXTS, NSYM), np.int64)
         k, _ = kc.diff_ctx(src, snap.copy(), fused, thr, mm, stat, gap, ctx, z, counts, hc, hd, 0, hist, WIDTH_SLOT[w], 1)
     kc.exp_histogram(snap, mm, stat[0], stat[1], hc)
-    gap = np.concatenate([gap[c, :counts[c]] for c in range(kc.N_CLASSES)])
-    ctx, z = ctx[:k], z[:k]
+    gap, ctx, z = kc.class_major(gap, counts), ctx[:k], z[:k]
     kc.count_symbols(gap, counts, ctx, z, WIDTH_SLOT[w], np.zeros((N_CONTEXTS, NSYM), np.int64))
     _, freqs, tmap = build_tables([hist])
     cat, lens = kcc.encode_streams(gap, ctx, z, counts, encoder_tables(freqs), tmap, WIDTH_SLOT[w])
