@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .kernels import GROUP_BLOCKS, _flatten, _width, get_value, get_varint, mix64, unzigzag
+from .kernels import ESCAPE, GROUP_BLOCKS, _flatten, _width, get_exception, get_nibble, get_varint, mix64, unzigzag
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -69,7 +69,10 @@ def apply_flat_gaps_logged(target, gaps, start, count, packed, nib_off, exc, exc
         gap, g = get_varint(gaps, g)
         j = prev + 1 + np.int64(gap)
         prev = j
-        z, e = get_value(packed, nib_off + i, exc, e, width)
+        z = get_nibble(packed, nib_off + i)
+        if z == np.uint64(ESCAPE):
+            z = get_exception(exc, e, width)
+            e += 1
         old = target[j]
         out_old[i] = old
         h += mix64(j, old)
