@@ -3,10 +3,10 @@
 numba keeps arrays alive with atomic reference counts. Inside a kernel it prunes them, but
 with numba 0.68 an inlined helper that takes an array and branches leaves an ``NRT_incref`` /
 ``NRT_decref`` pair *per call* (0.65 pruned them): in the flat writer that made the whole
-write 2.6× slower (``kernels.get_nibble`` / ``get_exception`` say how it is written instead). Nothing shows it
-but the compiled code, so this test compiles the kernels afresh in a subprocess (numba's
-cache keeps no IR to inspect) and reads their LLVM IR: no refcount call may sit on a cycle of
-a per-element or per-change kernel's control flow.
+write 2.6× slower (``kernels.get_nibble`` / ``get_exception`` say how it is written instead).
+Nothing shows it but the compiled code, so this test compiles the kernels afresh in a
+subprocess (numba's cache keeps no IR to inspect) and reads their LLVM IR: no refcount call
+may sit on a cycle of a per-element or per-change kernel's control flow.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def pack_nibbles(nibs, out):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def _is_escape(packed, c):  # pragma: no cover - compiled
-    return np.int64(((packed[c >> 1] >> np.uint8(4 * (c & 1))) & np.uint8(15)) == np.uint8(ESCAPE))
+    return np.int64(get_nibble(packed, c) == np.uint64(ESCAPE))
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
