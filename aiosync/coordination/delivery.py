@@ -206,9 +206,12 @@ class DeliveryLine:
     def request(self, *, fresh_after: int | None = None, deadline: float | None = None) -> int:
         """Ask for the newest weights; returns the request's seq. Never blocks: merges into a
         pending request if there is one. ``fresh_after`` (a publish seq) waits for a newer
-        publish, until ``deadline`` (required with it: every wait has a bound)."""
+        publish, until ``deadline`` (required with it: every wait has a bound). A closed line
+        takes no request: it returns the seq of the last one served (nothing more will be)."""
         if fresh_after is not None and deadline is None:
             raise ValueError("a request for fresh weights needs a deadline: every wait has a timeout")
+        if self.closed:
+            return self.served_seq
         self.request_seq += 1
         self.pending.put_nowait(Request(self.request_seq, fresh_after, deadline))
         self.notify()

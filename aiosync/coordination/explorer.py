@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,8 @@ import anyio
 import anyio.lowlevel
 
 from .._strict import check_seconds
-from ..errors import (ApplyError, EndOfStream, HandshakeError, PeerTimeoutError, StateTransitionError, TransportError,
-                      WouldBlock)
+from ..errors import (ApplyError, EndOfStream, ExplorerLostError, HandshakeError, PeerTimeoutError,
+                      StateTransitionError, TransportError, WouldBlock)
 from ..syncers.factory import SyncerFactory, syncer_factory
 from ..transports.base import Transport
 from .applier import Applier
@@ -46,6 +47,7 @@ from .mux import Mux
 from .protocol import (Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Stopped,
                        SyncRequest, Welcome)
 from .slots import Lease, PolicySlot, Rollout
+from .sources import HISTORY
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod, SyncStyle, explorer_step_syncs
 
@@ -118,6 +120,9 @@ class Explorer:
         self.step = 0
         #: The newest version the trainer published, as last told.
         self.published: int | None = None
+        #: The versions published, as told (newest last): ``max_ahead`` counts those newer than
+        #: the weights held.
+        self._known: deque[int] = deque(maxlen=HISTORY)
         self.trainer_stopped = False
         self.closed = False
         #: Why the session was lost (the synchronizer's process died, or it declared this
@@ -203,19 +208,31 @@ class Explorer:
             raise RuntimeError(f"explorer {self.name} is already running")
         self._running = True
         failed: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.mux.run)
-            tg.start_soon(self._control)
-            try:
-                await self._join(tg)
-            except Exception as exc:  # raised to the caller as it is, not in an exception group
-                failed = exc
-                tg.cancel_scope.cancel()
-            else:
-                tg.start_soon(self._heartbeat)
-                task_status.started(self)
-                await self._finished.wait()
-                tg.cancel_scope.cancel()
+        started = False
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.mux.run)
+                tg.start_soon(self._control)
+                try:
+                    await self._join(tg)
+                except Exception as exc:  # raised to the caller as it is, not in an exception group
+                    failed = exc
+                    tg.cancel_scope.cancel()
+                else:
+                    tg.start_soon(self._heartbeat)
+                    task_status.started(self)
+                    started = True
+                    await self._finished.wait()
+                    tg.cancel_scope.cancel()
+        except Exception as exc:
+            if not started:
+                raise
+            # An internal error once it served: this explorer's session ends (its calls say why),
+            # never the task group it runs in (the synchronizer's, for an in-process explorer).
+            log.error("aiosync: explorer %s failed: %s: %s", self.name, type(exc).__name__, exc, exc_info=exc)
+            if self.error is None:
+                self.error = exc
+            self._finish()
         if failed is not None:
             raise failed
 
@@ -259,7 +276,7 @@ class Explorer:
                                    f"{self.connect_timeout}s" + (f" ({self.mux.error})" if self.mux.error else ""))
         welcome = self._welcome
         self.config = cfg = SynchronizerConfig.from_any(welcome.config)
-        self.published = welcome.published
+        self._note_published(welcome.published)
         self.trainer_stopped = welcome.trainer_stopped
         syncers = self._weight_syncer if self._weight_syncer is not None else welcome.weight_syncer
         if syncers is None:
@@ -334,7 +351,9 @@ class Explorer:
                 self._on_notice(msg)
             elif isinstance(msg, Close):
                 if msg.reason.startswith("lost:"):
-                    self.error = TransportError(f"the synchronizer declared explorer {self.name} {msg.reason}")
+                    reason = msg.reason[len("lost:"):].strip()
+                    self.error = ExplorerLostError(f"the synchronizer declared explorer {self.name} lost: {reason}",
+                                                   reason=reason)
                 with anyio.move_on_after(10):
                     await self.mux.send_quietly(Close(self.slot.version, "bye"))
                 self._finish()
@@ -357,13 +376,26 @@ class Explorer:
             self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
         self._notify()
 
+    def _note_published(self, version: int | None) -> None:
+        if version is None:
+            return
+        self.published = max(self.published if self.published is not None else version, version)
+        if not self._known or version > self._known[-1]:
+            self._known.append(version)
+
+    @property
+    def behind(self) -> int:
+        """How many versions the trainer published (as told) are newer than the weights held."""
+        held = self.slot.version
+        return sum(1 for v in self._known if held is None or v > held)
+
     def _on_notice(self, msg: Notice) -> None:
-        if msg.event == "published" and msg.version is not None:
-            self.published = max(self.published or msg.version, msg.version)
+        if msg.event == "published":
+            self._note_published(msg.version)
         elif msg.event == "window_open":
             self._window_seq += 1
             self._window = self._window_seq
-            self.published = msg.version if msg.version is not None else self.published
+            self._note_published(msg.version)
         elif msg.event == "window_closed":
             self._window = None
         elif msg.event == "trainer_stopped":
@@ -384,10 +416,22 @@ class Explorer:
     def _check_usable(self, what: str) -> None:
         self._touch()
         if self.error is not None:
-            raise TransportError(f"explorer {self.name}: lost the synchronizer ({self.error}); cannot {what}") \
-                from self.error
+            raise self._lost_error(what) from self.error
         if self._user_stopped:
             raise StateTransitionError(f"explorer {self.name}: {what} after stop()")
+
+    def _lost_error(self, what: str) -> ExplorerLostError:
+        """The error a call of a lost explorer raises: why its session ended, and what to do."""
+        cause = self.error if self.error is not None else self.mux.error
+        if isinstance(cause, ExplorerLostError):
+            why, reason = str(cause), cause.reason
+        else:
+            why = f"lost the synchronizer ({type(cause).__name__}: {cause})"
+            reason = why
+        return ExplorerLostError(
+            f"explorer {self.name}: cannot {what}: {why}. Its session is over (leases still read the weights it "
+            "holds); attach it again under its name (Synchronizer.attach_explorer, or a new Explorer in its "
+            "process) to start from the newest version", reason=reason)
 
     # -- the explorer API -------------------------------------------------------------
 
@@ -408,8 +452,9 @@ class Explorer:
         :class:`aiosync.errors.WouldBlock` while the weights held are too old to start a rollout."""
         self._touch()
         if not self.admitted():
-            raise WouldBlock(f"explorer {self.name}: the trainer published version {self.published}, more than "
-                             f"max_ahead={self.config.max_ahead} ahead of the weights held ({self.slot.version})")
+            raise WouldBlock(f"explorer {self.name}: the weights held (version {self.slot.version}) are {self.behind} "
+                             f"versions behind the trainer's {self.published}, more than max_ahead="
+                             f"{self.config.max_ahead}")
         with self.slot.lease_nowait() as lease:
             yield lease
 
@@ -425,12 +470,13 @@ class Explorer:
         self._touch()
 
     def admitted(self) -> bool:
-        """Whether a rollout may start now: ``max_ahead`` is unset, the trainer stopped, or the
-        trainer's newest published version is at most ``max_ahead`` ahead of the weights held."""
+        """Whether a rollout may start now: ``max_ahead`` is unset, the trainer stopped, or at
+        most ``max_ahead`` of the versions the trainer published are newer than the weights held
+        (:attr:`behind`; versions are counted as published, whatever their numbers)."""
         limit = None if self.config is None else self.config.max_ahead
         if limit is None or self.trainer_stopped or self.closed or self.published is None:
             return True
-        return self.slot.version is not None and self.published - self.slot.version <= limit
+        return self.slot.version is not None and self.behind <= limit
 
     async def admit(self) -> None:
         """Admission control (``max_ahead``): wait until :meth:`admitted`, asking for the newest
@@ -442,16 +488,16 @@ class Explorer:
         t0 = time.perf_counter()
         with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
             while not self.admitted():
-                if not self._outstanding() and self.error is None:
-                    await self.sync_weight(wait=False)  # gets the newer weights first
+                if not self._outstanding() and self.error is None and not self._delivering:
+                    await self._ask(blocking=False)  # gets the newer weights first (not a sync point)
                     continue
                 await self._changed.wait()
         self._admission_wait_s.add(time.perf_counter() - t0)
         if not self.admitted():
             self._admission_timeouts += 1
-            log.warning("aiosync: explorer %s starts a rollout on version %s, %s behind the trainer's %s: newer "
-                        "weights did not land within sync_timeout + delivery_timeout", self.name, self.slot.version,
-                        None if self.slot.version is None else self.published - self.slot.version, self.published)
+            log.warning("aiosync: explorer %s starts a rollout on version %s, %s versions behind the trainer's %s: "
+                        "newer weights did not land within sync_timeout + delivery_timeout", self.name,
+                        self.slot.version, self.behind, self.published)
 
     def need_sync(self) -> bool:
         """Whether the explorer should call :meth:`sync_weight` now (after explore step ``step``).
@@ -495,34 +541,54 @@ class Explorer:
                 self.slot.version is not None and self.published <= self.slot.version)):
             return self.slot.version  # S5: nothing newer will come
         blocking = not cfg.sync_weight_no_wait if wait is None else wait
-        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
         if cfg.style is SyncStyle.FIXED and cfg.method is not SyncMethod.NCCL:  # NCCL: the handshake waits
-            if not await self._wait_published_after(self._synced_version, cfg.sync_timeout):
+            self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
+            try:
+                newer = await self._wait_published_after(self._synced_version, cfg.sync_timeout)
+            finally:
+                self._outstanding()  # REQUIRE_SYNC only while a request is outstanding: none was sent yet
+            if not newer:
                 self.outcomes["timeout"] = self.outcomes.get("timeout", 0) + 1
-                self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
                 self._check_usable("sync_weight")
                 return self.slot.version  # S3: carries on, and waits again at its next sync point
+        await self._ask(blocking)
+        self._synced_version = self.slot.version if blocking else self.published  # no-wait: what the apply brings
+        return self.slot.version
+
+    async def _ask(self, blocking: bool) -> None:
+        """Send one request for the newest weights; with ``blocking``, wait (at most
+        ``sync_timeout + delivery_timeout``) for its answer. Cancellation-safe: cancelled before
+        the request surely went out, nothing is left of it (an answer that comes anyway is
+        ignored); cancelled after, the request stays outstanding until it is answered — the
+        delivery lands in the background — and a new call may ask again at once."""
+        cfg = self.config
         self._next_id += 1
         request_id, event = self._next_id, anyio.Event()
         self._requests[request_id] = _Request(event, time.monotonic() + cfg.sync_timeout + cfg.delivery_timeout,
                                               self.step)
+        joined_before = self._joined_window
         if self._window is not None:
             self._joined_window = self._window
-        if not await self.mux.send_quietly(SyncRequest(request_id)):
+        self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
+        try:
+            sent = await self.mux.send_quietly(SyncRequest(request_id))
+        except BaseException:
             self._requests.pop(request_id, None)
-            self.state.set_if(RunningStatus.REQUIRE_SYNC, RunningStatus.RUNNING)
-            if self.mux.error is None:  # the session is closing (the final drain is done): nothing newer comes
-                return self.slot.version
-            raise TransportError(f"explorer {self.name}: lost the synchronizer ({self.mux.error}); cannot sync_weight")
+            self._joined_window = joined_before
+            self._outstanding()
+            raise
+        if not sent:
+            self._requests.pop(request_id, None)
+            self._joined_window = joined_before
+            self._outstanding()
+            if self.mux.error is None and self.error is None:  # the session is closing (final drain done)
+                return
+            raise self._lost_error("sync_weight") from (self.error or self.mux.error)
         if blocking:
             with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
                 await event.wait()
-            self._synced_version = self.slot.version
-        else:
-            self._synced_version = self.published  # what the background apply brings
         if self.error is not None:
             self._check_usable("sync_weight")
-        return self.slot.version
 
     async def _wait_published_after(self, version: int | None, timeout: float) -> bool:
         """Wait (at most ``timeout``) until the trainer published a version newer than

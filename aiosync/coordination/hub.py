@@ -100,12 +100,14 @@ class Hub:
         NCCL requests wait for the trainer at most ``sync_timeout``. (A FIXED explorer waits for
         a newer version on its own side before it asks: :meth:`Explorer.sync_weight`.)"""
         cfg, source = self.config, self.source
+        latest = source.latest
         needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
         if source.trainer_stopped:
-            latest = source.latest
             if cfg.method is SyncMethod.NCCL or latest is None or (held is not None and latest.version <= held):
                 return None
             needs_trainer = False
+        elif cfg.method is not SyncMethod.NCCL and latest is not None and (held is None or held < latest.version):
+            needs_trainer = False  # a newer version exists already: it is sent now, not after the next publish
         if needs_trainer:
             fresh_after = source.seq if cfg.method is not SyncMethod.NCCL else None
             return line.request(fresh_after=fresh_after, deadline=time.monotonic() + cfg.sync_timeout)

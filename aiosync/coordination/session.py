@@ -37,6 +37,10 @@ from .styles import SyncMethod
 log = logging.getLogger("aiosync.sync")
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class ExplorerStatistics(LineStatistics):
     """The synchronizer's view of one explorer (B6): its delivery line's counters, plus its
@@ -69,6 +73,9 @@ class ExplorerSession:
         self._notices_tx: MemoryObjectSendStream | None = None
         self._beat = anyio.Event()
         self._tg: Any = None
+        #: A Hello that arrived on this wire after the session ended: a new explorer (or the same
+        #: one, back) — :meth:`Synchronizer.serve_remote` starts the next session with it.
+        self.next_hello: Hello | None = None
 
     # -- the synchronizer's view ---------------------------------------------------------
 
@@ -108,17 +115,24 @@ class ExplorerSession:
 
     # -- the task ----------------------------------------------------------------------
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen for the explorer's Hello (now or later: elastic joins, S12), attach it, then
-        serve it until the session ends. Signals readiness once it listens."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            await tg.start(self.mux.run)
-            task_status.started(self)
-            hello = await self._wait_hello()
-            if hello is not None and await self._attach(hello, tg):
-                await self._serve_control()
-            tg.cancel_scope.cancel()
+    async def run(self, hello: Hello | None = None, *,
+                  task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen for the explorer's Hello (now or later: elastic joins, S12; ``hello``: one that
+        already arrived), attach it, then serve it until the session ends. Signals readiness once
+        it listens. Never raises (but cancellation): whatever goes wrong in one session ends that
+        session — the explorer is lost, ``error`` says why — never the synchronizer."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                await tg.start(self.mux.run)
+                task_status.started(self)
+                hello = hello or await self._wait_hello()
+                if hello is not None and await self._attach(hello, tg):
+                    await self._serve_control()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # an internal error of this session: it ends, the others go on
+            log.error("aiosync: the session of explorer %s failed: %s", self.name, _describe(exc), exc_info=exc)
+            self._lose(exc)
 
     async def _wait_hello(self) -> Hello | None:
         while True:
@@ -183,6 +197,8 @@ class ExplorerSession:
         else:
             seq = line.request()
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
+        if self.closed:
+            return False  # ended meanwhile (the synchronizer closes, or the join was abandoned)
         if line.last_outcome != "delivered" or line.served_seq < seq:
             err = line.stats.last_error or line.last_outcome or "no answer"
             await self._refuse(f"the first sync of explorer {hello.name} failed ({err})")
@@ -220,7 +236,10 @@ class ExplorerSession:
                 await self.mux.send_quietly(notice)
 
     async def _serve_control(self) -> None:
-        cfg = self.hub.config
+        """Answer the explorer's control messages until the session ends. Every message is
+        weighed against the session's state: once the session is closed (lost, detached: its
+        Close is on the way), what crosses that Close on the wire is dropped — the explorer
+        learns from the Close — and a Hello means a new explorer on this wire (:attr:`next_hello`)."""
         while True:
             try:
                 msg = await self.mux.control.recv()
@@ -229,32 +248,49 @@ class ExplorerSession:
             except EndOfStream:
                 break
             self._beat.set()  # every message is a sign of life
-            if isinstance(msg, Heartbeat):
-                self.step = max(self.step, msg.step)
-            elif isinstance(msg, SyncRequest):
-                seq = self.hub.request(self.line, self.line.applied_version)
-                if seq is None:
-                    await self.mux.send_quietly(Served(msg.id, "trainer_stopped", self.line.applied_version))
-                else:
-                    self._tg.start_soon(self._answer, msg.id, seq, cfg.sync_timeout + cfg.delivery_timeout)
-            elif isinstance(msg, Stopped):
-                self.step = msg.step
-                self._stopped()
-            elif isinstance(msg, Leave):
-                log.info("aiosync: explorer %s leaves: %s", self.name, msg.reason or "done")
-                self.hub.sessions.pop(self.name, None)
-                await self.close("left", timeout=cfg.sync_timeout)
+            if self.closed:
+                if isinstance(msg, Hello):  # the explorer came back on this wire without closing the old session
+                    self.next_hello = msg
+                    break
+                if isinstance(msg, Close):
+                    break
+                log.debug("aiosync: explorer %s: dropped a %s that crossed the end of its session", self.name,
+                          type(msg).__name__)
+                continue
+            if not await self._on_control(msg):
                 break
-            elif isinstance(msg, Close):
-                if not self._closing:  # the explorer ended the session: answer it
-                    self._closing = True
-                    await self.mux.send_quietly(Close(self.line.applied_version, "bye"))
-                    self._end()
-                break
-            else:
-                log.warning("aiosync: explorer %s sent an unexpected %s", self.name, type(msg).__name__)
         if not self.closed and not self._closing:
             self._lose(self.mux.error or EndOfStream("the explorer closed its session"))
+
+    async def _on_control(self, msg: Any) -> bool:
+        """Handle one control message of an open session; ``False`` ends the session."""
+        cfg = self.hub.config
+        if isinstance(msg, Heartbeat):
+            self.step = max(self.step, msg.step)
+        elif isinstance(msg, SyncRequest):
+            seq = self.hub.request(self.line, self.line.applied_version)
+            if seq is None:
+                await self.mux.send_quietly(Served(msg.id, "trainer_stopped", self.line.applied_version))
+            else:
+                self._tg.start_soon(self._answer, msg.id, seq, cfg.sync_timeout + cfg.delivery_timeout)
+        elif isinstance(msg, Stopped):
+            self.step = max(self.step, msg.step)
+            self._stopped()
+        elif isinstance(msg, Leave):
+            log.info("aiosync: explorer %s leaves: %s", self.name, msg.reason or "done")
+            if self.hub.sessions.get(self.name) is self:
+                del self.hub.sessions[self.name]
+            await self.close("left", timeout=cfg.sync_timeout)
+            return False
+        elif isinstance(msg, Close):
+            if not self._closing:  # the explorer ended the session: answer it
+                self._closing = True
+                await self.mux.send_quietly(Close(self.line.applied_version, "bye"))
+                self._end()
+            return False
+        else:
+            log.warning("aiosync: explorer %s sent an unexpected %s; ignored", self.name, type(msg).__name__)
+        return True
 
     async def _answer(self, request_id: int, seq: int, timeout: float) -> None:
         await self.line.wait_served(seq, timeout)

@@ -105,6 +105,7 @@ class Synchronizer:
         self.explorers: dict[str, ExplorerSession] = self.hub.sessions
         self._transports: list[Transport] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self._closing = False
 
     @property
     def source(self):
@@ -132,6 +133,7 @@ class Synchronizer:
         # deliver raises DrainError once everything is closed.
         drain_error: BaseException | None = None
         drained = False
+        self._closing = True
         try:
             if exc_type is None:
                 try:
@@ -276,7 +278,10 @@ class Synchronizer:
         tg = self._require_started()
         if self.trainer is None:
             raise RuntimeError("attach the trainer first: explorers are bootstrapped from its weights")
-        if name in self.explorers or name in self.hub.joining:
+        held = self.explorers.get(name)
+        if (held is not None and not held.closed) or name in self.hub.joining:
+            # A closed session's name is free: a lost explorer is attached again this way (its
+            # old model may be given again; it starts from the newest version).
             raise ValueError(f"an explorer named {name!r} is already attached")
         slot = model if isinstance(model, PolicySlot) else PolicySlot(model, version)
         sync_end, explorer_end = self._transport_factory(name)
@@ -300,7 +305,10 @@ class Synchronizer:
     async def detach_explorer(self, name: str) -> None:
         """End an explorer's session (it is told, bounded by ``sync_timeout``); S12: explorers
         may also leave. Its model keeps the weights it holds."""
-        session = self.explorers.pop(name)
+        session = self.explorers.get(name)
+        if session is None:
+            raise KeyError(f"no explorer named {name!r} is attached (attached: {sorted(self.explorers)})")
+        del self.explorers[name]
         await session.close("detached", timeout=min(self.config.sync_timeout, 30.0))
 
     def serve_remote(self, transport: Transport) -> None:
@@ -318,7 +326,20 @@ class Synchronizer:
         report = transport.use_comm_options(self.hub.syncers.comm_options)
         if report:
             log.info("aiosync: comm_options on a channel: %s", "; ".join(report.values()))
-        tg.start_soon(ExplorerSession(self.hub, transport).run, name="aiosync-session")
+        tg.start_soon(self._serve_wire, transport, name="aiosync-session")
+
+    async def _serve_wire(self, transport: Transport) -> None:
+        """Serve explorers over one wire, one session after another: a session that ended with
+        the wire intact (the explorer left, or was declared lost and answered the Close) is
+        followed by a new one listening for the next Hello — an explorer that comes back on the
+        same wire is attached again. Ends when the wire breaks or the synchronizer closes."""
+        hello = None
+        while not self._closing:
+            session = ExplorerSession(self.hub, transport)
+            await session.run(hello)
+            if session.mux.error is not None:
+                return  # the wire is gone
+            hello = session.next_hello
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` explorers are attached (in this process or others) and not

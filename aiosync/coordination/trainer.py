@@ -125,8 +125,7 @@ class TrainerHandle:
             raise VersionError(f"trainer: version {version} is not above the last published {self.version}")
         blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
         t0 = time.perf_counter()
-        if cfg.max_ahead is not None and cfg.method is not SyncMethod.NCCL:
-            await self._hold_back(version)
+        lagging = await self._hold_back() if cfg.max_ahead is not None else []
         if blocking:
             busy = await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
             if busy:
@@ -134,7 +133,7 @@ class TrainerHandle:
                                        f"delivery_timeout={cfg.delivery_timeout}s")
         push = cfg.sync_weight_no_wait and cfg.style is SyncStyle.TRAINER_DRIVEN
         if cfg.method is SyncMethod.NCCL:
-            pushed = [] if not push else hub.lines()
+            pushed = hub.lines() if push else lagging
             bound = cfg.delivery_timeout if push else cfg.sync_timeout
             handed = await self._handshake(version, push=pushed, bound=bound,
                                            scheduled=cfg.style is not SyncStyle.EXPLORER_DRIVEN)
@@ -156,18 +155,31 @@ class TrainerHandle:
         return {"version": version, "blocking": blocking, "handed_to": [line.name for line, _ in handed],
                 "failed": failed, "sync_s": dt}
 
-    async def _hold_back(self, version: int) -> None:
-        """Admission control (``max_ahead``, MEMORY / CHECKPOINT): publish ``version`` only once
-        every running explorer holds at least ``version - max_ahead``. Lagging explorers are
-        sent the newest weights now (whatever their schedule); the wait is bounded by
-        ``sync_timeout``, then the publish goes ahead (counted in ``hold_back_timeouts``). NCCL
-        needs none of this: each handshake already waits for every running explorer."""
-        hub, cfg = self.hub, self.hub.config
-        floor = version - cfg.max_ahead
-        lagging = [s.line for s in hub.open_sessions() if s.expects_handshakes
+    async def _hold_back(self) -> list[DeliveryLine]:
+        """Admission control (``max_ahead``), every method: publish the next version only once
+        every running explorer holds at least :meth:`Source.floor` — the ``max_ahead``-th newest
+        version that exists (the newest for ``max_ahead`` 0 and 1) — so that it is at most
+        ``max_ahead`` versions behind once the next one is out. An explorer that holds the
+        newest version never costs a wait.
+
+        Lagging explorers are sent the newest weights now (MEMORY, CHECKPOINT: whatever their
+        schedule). With NCCL only a delivery already under way can land before the next window
+        (the live tensors move on): those are waited for, and the other lagging lines are
+        returned — the next window is pushed to them. Explorers waiting for the trainer take
+        this very publish and are not waited for. The wait is bounded by ``sync_timeout``, then
+        the publish goes ahead (counted in ``hold_back_timeouts``)."""
+        hub, cfg, source = self.hub, self.hub.config, self.hub.source
+        floor = source.floor(cfg.max_ahead)
+        if floor is None:
+            return []
+        lagging = [s.line for s in hub.open_sessions() if s.expects_handshakes and s.line not in source.waiting
                    and (s.line.applied_version is None or s.line.applied_version < floor)]
+        push = []
+        if cfg.method is SyncMethod.NCCL:
+            push = [line for line in lagging if line.in_flight is None]
+            lagging = [line for line in lagging if line.in_flight is not None]
         if not lagging:
-            return
+            return push
         t0 = time.perf_counter()
         for line in lagging:
             if not line.busy:
@@ -176,9 +188,10 @@ class TrainerHandle:
         self.hold_back_s.add(time.perf_counter() - t0)
         if late:
             self.hold_back_timeouts += 1
-            log.warning("aiosync: publishing version %d although %s still hold versions below %d "
-                        "(max_ahead=%d): they did not catch up within sync_timeout=%ss", version,
+            log.warning("aiosync: publishing the next version although %s still hold versions below %d "
+                        "(max_ahead=%d): they did not catch up within sync_timeout=%ss",
                         ", ".join(line.name for line in late), floor, cfg.max_ahead, cfg.sync_timeout)
+        return push
 
     async def _serve_current(self) -> dict[str, Any]:
         """No training since the last publish: answer waiting explorers with that version."""
