@@ -227,3 +227,41 @@ async def test_an_explorer_comes_back_on_the_same_wire_after_its_session_ended()
                 await trainer.sync_weight(2)
                 assert await other.sync_weight() == 2 and holds(other.slot.model, 2)
                 await trainer.stop()
+
+
+async def test_an_explorer_waiting_in_a_call_is_alive():
+    """A call in progress is a sign of life: a FIXED explorer under NCCL that waits at its sync
+    point for the trainer's next window, longer than liveness_timeout, is not declared lost
+    (before: the chaos scenario lost every explorer this way)."""
+    state = trainer_state()
+    cfg = dict(method="nccl", style="fixed", liveness_timeout=0.2, sync_timeout=HANG_GUARD,
+               delivery_timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD):
+        async with Synchronizer(cfg, PATCH) as sync:
+            trainer = await sync.attach_trainer(state)
+            ex = await sync.attach_explorer("e0", rollout_model())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ex.sync_weight)  # waits for the next window
+                await anyio.sleep(1.0)  # five liveness bounds pass while it waits
+                train_to(state, 1)
+                await trainer.step_done()
+            assert not sync.explorers["e0"].lost and ex.version == 1 and holds(ex.slot.model, 1)
+            await trainer.stop()
+
+
+async def test_nccl_attach_after_a_train_step_without_a_publish_serves_the_live_weights_as_a_new_version():
+    """NCCL joiners are served from the live tensors: when the trainer trained since its last
+    publish, they are a new version (before: they were stamped with the last published
+    version, a lease saw weights that were not that version's)."""
+    state = trainer_state()
+    cfg = dict(method="nccl", style="fixed", sync_interval=2, sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD):
+        async with Synchronizer(cfg, PATCH) as sync:
+            trainer = await sync.attach_trainer(state)
+            train_to(state, 1)
+            await trainer.step_done()  # step 1: no sync (interval 2)
+            assert trainer.version == 0
+            ex = await sync.attach_explorer("e0", rollout_model())  # from the trainer's task
+            async with ex.lease() as (model, version):
+                assert version == 1 and holds(model, 1)
+            await trainer.stop()

@@ -48,6 +48,7 @@ from ..errors import PeerTimeoutError
 from ..syncers.faults import ApplyFaults, flaky_syncer_factory
 from ..transports.faults import FaultProfile
 from ..transports.simulated import simulated_pair
+from .toy import ToyPolicy, warm_up
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Scenario:
     #: usable samples the trainer needs per step (it waits for them, at most ``sync_timeout``,
     #: serving explorers' requests meanwhile); 0: it trains regardless
     batch: int | None = None
+    #: ``synchronizer.liveness_timeout``
+    liveness_timeout: float = 60.0
 
 
 # Rates per message; each explorer's link carries ~4 messages per version in each direction.
@@ -98,55 +101,16 @@ SCENARIOS = {
     "faults": Scenario("faults", steps=600, step_time=0.01, explore_time=0.004, latency=0.002, bandwidth=1e9,
                        jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
                        verify_checksums=True, sync_timeout=2.0, delivery_timeout=0.5),
+    # Explorers that go silent, call in late, drop mid-request and come back (simulate_chaos.py).
+    "chaos": Scenario("chaos", steps=80, step_time=0.02, explore_time=0.004, latency=0.005, bandwidth=1e9,
+                      jitter=0.002, style="fixed", sync_interval=2, max_ahead=1, sync_timeout=5.0,
+                      delivery_timeout=5.0, liveness_timeout=1.0),
 }
 
 
 def is_delivery(msg: Any) -> bool:
     """Messages of the delivery line (payloads, Packets, Acks), which faults may strike."""
     return not isinstance(msg, Control)
-
-
-# ------------------------------------------------------------------ the toy policy
-
-class ToyPolicy:
-    """Weights that are a pure function of the version.
-
-    Each float element ``i`` changes once every ``period`` versions (at its own phase), by a
-    fixed step, so consecutive versions differ in about ``1 / period`` of the elements —
-    sparse, like an RL update. The ``stamp`` buffer holds the version itself.
-    """
-
-    def __init__(self, seed: int = 0, period: int = 20,
-                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        shapes = shapes or {"embed.weight": (512, 128), "block.w1": (256, 256), "block.w2": (256, 256),
-                            "block.bias": (256,), "head.weight": (64, 256)}
-        g = torch.Generator().manual_seed(seed)
-        self.period = period
-        self.base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-        self.phase = {k: torch.randint(1, period + 1, s, generator=g) for k, s in shapes.items()}
-
-    def weights(self, version: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, base in self.base.items():
-            bumps = torch.div(version + self.period - self.phase[k], self.period, rounding_mode="floor")
-            out[k] = (base + bumps.to(torch.float32) * 0.0625).to(dtype)
-        out["stamp"] = torch.tensor(version, dtype=torch.int64)
-        return out
-
-    def write(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Set ``state`` (in place) to the weights of ``version``."""
-        with torch.no_grad():
-            for k, v in self.weights(version).items():
-                state[k].copy_(v)
-
-    def matches(self, state: dict[str, torch.Tensor], version: int, cache: dict) -> bool:
-        """Whether ``state`` holds exactly the weights of ``version`` (in its own dtypes)."""
-        if version not in cache:
-            dtype = next(t.dtype for k, t in state.items() if k != "stamp")
-            cache.clear()
-            cache[version] = self.weights(version, dtype)
-        expected = cache[version]
-        return all(torch.equal(state[k], expected[k]) for k in expected)
 
 
 # ------------------------------------------------------------------ the run
@@ -161,26 +125,6 @@ async def _baseline(policy: ToyPolicy, sc: Scenario) -> list[float]:
         await anyio.sleep(sc.step_time)
         times.append(time.perf_counter() - t0)
     return times
-
-
-async def _warm_up(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
-    """One syncer round trip on the toy policy, so that the numba kernels are compiled before
-    short delivery timeouts start counting (the faults scenario)."""
-    from ..syncers.factory import create_syncer
-    from ..transports.inproc import inproc_pair
-
-    make = syncer if callable(syncer) else (lambda: create_syncer(syncer))
-    sender, receiver = make(), make()
-    a, b = inproc_pair(timeout=120)
-    src = policy.weights(0)
-    dst = {k: torch.zeros_like(v, dtype=recv_dtype if v.is_floating_point() else v.dtype) for k, v in src.items()}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sender.init_sender, src, None, a.send, a.recv)
-        await receiver.init_receiver(dst, b.recv, b.send)
-    for version in (1, 2):
-        src = policy.weights(version)
-        await sender.sync(src, a.send, version)
-        await receiver.apply(dst, b.recv)
 
 
 async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]:
@@ -209,7 +153,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     if sc.apply_failure_rate:
         syncer = flaky_syncer_factory(syncer, apply_faults)
     if sc.faults is not None or sc.apply_failure_rate:
-        await _warm_up(policy, syncer, recv_dtype)
+        await warm_up(policy, syncer, recv_dtype)
     transports: list = []
 
     def make_link(name: str):
@@ -403,9 +347,15 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
     level = logger.level
     if sc.faults is not None or sc.apply_failure_rate:
         logger.setLevel(logging.ERROR)  # one warning per injected fault: the report counts them instead
+    if sc.name == "chaos":
+        from .simulate_chaos import run_chaos as main
+        explorers = max(explorers, 3)
+        logger.setLevel(logging.ERROR)  # one warning per lost explorer: the report counts them instead
+    else:
+        main = _simulate
     t0 = time.perf_counter()
     try:
-        report = anyio.run(_simulate, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
+        report = anyio.run(main, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
     finally:
         logger.setLevel(level)
     report["wall_s"] = time.perf_counter() - t0
@@ -453,6 +403,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if "synchronizer_errors" in report:  # chaos
+        for k in ("scenario", "method", "synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors",
+                  "dropped", "hold_back_timeouts", "max_ahead_exceeded", "steps", "torn_reads", "final_bit_exact"):
+            print(f"{k:<20}  {report[k]}")
+        return 0
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
             "loop_lag_p99_ms", "loop_lag_max_ms"]

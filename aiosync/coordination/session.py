@@ -135,15 +135,10 @@ class ExplorerSession:
             self._lose(exc)
 
     async def _wait_hello(self) -> Hello | None:
-        while True:
-            try:
-                msg = await self.mux.control.recv()
-            except PeerTimeoutError:
-                continue  # a late joiner: keep listening
-            except EndOfStream:
-                return None  # the peer went away before it joined
+        while (msg := await self.mux.control.next_message()) is not None:  # None: it went away before it joined
             if isinstance(msg, Hello):
                 return msg
+        return None
 
     async def _refuse(self, reason: str) -> None:
         log.warning("aiosync: refused explorer %s: %s", self.name, reason)
@@ -167,11 +162,11 @@ class ExplorerSession:
             # under it (R2, e.g. an actor Ray restarted); its new session replaces the old one.
             await self._refuse(f"an explorer named {hello.name!r} is already attached")
             return False
-        hub.joining.add(hello.name)
+        hub.joining[hello.name] = self
         try:
             return await self._first_sync(hello, tg)
         finally:
-            hub.joining.discard(hello.name)
+            hub.joining.pop(hello.name, None)
 
     async def _first_sync(self, hello: Hello, tg: Any) -> bool:
         hub, cfg, trainer = self.hub, self.hub.config, self.hub.trainer
@@ -199,7 +194,7 @@ class ExplorerSession:
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         if self.closed:
             return False  # ended meanwhile (the synchronizer closes, or the join was abandoned)
-        if line.last_outcome != "delivered" or line.served_seq < seq:
+        if line.served_seq < seq or line.applied_version is None or line.needs_reinit:  # nothing delivered
             err = line.stats.last_error or line.last_outcome or "no answer"
             await self._refuse(f"the first sync of explorer {hello.name} failed ({err})")
             self._end()
@@ -240,13 +235,7 @@ class ExplorerSession:
         weighed against the session's state: once the session is closed (lost, detached: its
         Close is on the way), what crosses that Close on the wire is dropped — the explorer
         learns from the Close — and a Hello means a new explorer on this wire (:attr:`next_hello`)."""
-        while True:
-            try:
-                msg = await self.mux.control.recv()
-            except PeerTimeoutError:
-                continue
-            except EndOfStream:
-                break
+        while (msg := await self.mux.control.next_message()) is not None:
             self._beat.set()  # every message is a sign of life
             if self.closed:
                 if isinstance(msg, Hello):  # the explorer came back on this wire without closing the old session

@@ -172,26 +172,32 @@ class TrainerHandle:
         floor = source.floor(cfg.max_ahead)
         if floor is None:
             return []
-        lagging = [s.line for s in hub.open_sessions() if s.expects_handshakes and s.line not in source.waiting
-                   and (s.line.applied_version is None or s.line.applied_version < floor)]
-        push = []
-        if cfg.method is SyncMethod.NCCL:
-            push = [line for line in lagging if line.in_flight is None]
-            lagging = [line for line in lagging if line.in_flight is not None]
-        if not lagging:
-            return push
-        t0 = time.perf_counter()
-        for line in lagging:
-            if not line.busy:
-                line.request()
-        late = await hub.wait_applied(lagging, floor, cfg.sync_timeout)
-        self.hold_back_s.add(time.perf_counter() - t0)
+        nccl = cfg.method is SyncMethod.NCCL
+
+        def lagging() -> list[DeliveryLine]:  # joiners count: their first sync may bring an older version
+            running = [s.line for s in hub.open_sessions() if s.expects_handshakes] + hub.joining_lines()
+            return [line for line in running if line not in source.waiting and not line.closed
+                    and (line.applied_version is None or line.applied_version < floor)]
+
+        t0, deadline, waited = time.perf_counter(), time.monotonic() + cfg.sync_timeout, False
+        while True:
+            # NCCL: only a delivery under way can land before the next window; the others get it.
+            late = [line for line in lagging() if not nccl or line.in_flight is not None]
+            if not late or time.monotonic() >= deadline:
+                break
+            waited = True
+            for line in late:
+                if not line.busy:
+                    line.request()
+            await hub.wait_applied(late, floor, deadline - time.monotonic(), until_idle=True)
+        if waited:
+            self.hold_back_s.add(time.perf_counter() - t0)
         if late:
             self.hold_back_timeouts += 1
             log.warning("aiosync: publishing the next version although %s still hold versions below %d "
                         "(max_ahead=%d): they did not catch up within sync_timeout=%ss",
                         ", ".join(line.name for line in late), floor, cfg.max_ahead, cfg.sync_timeout)
-        return push
+        return [line for line in lagging() if line.in_flight is None] if nccl else []
 
     async def _serve_current(self) -> dict[str, Any]:
         """No training since the last publish: answer waiting explorers with that version."""
@@ -208,10 +214,19 @@ class TrainerHandle:
 
     async def serve_joining(self, lines: Iterable[DeliveryLine]) -> list[tuple[DeliveryLine, int]]:
         """NCCL: serve ``lines`` (explorers joining, or behind after the last version) from the
-        live tensors, as the current version. Call it only where the trainer's weights do not
-        change (the trainer's own task)."""
-        return await self._handshake(self.version, push=list(lines), bound=self.hub.config.delivery_timeout,
-                                     scheduled=False, reopen=True)
+        live tensors, as the current version — or, when the trainer trained since its last
+        publish (``step`` above ``version``: the live tensors are not that version any more), as
+        a new version, ``step``, published to every explorer like any other. Call it only where
+        the trainer's weights do not change (the trainer's own task)."""
+        cfg = self.hub.config
+        if self.step <= self.version or self.state.status is RunningStatus.STOPPED:
+            return await self._handshake(self.version, push=list(lines), bound=cfg.delivery_timeout,
+                                         scheduled=False, reopen=True)
+        lagging = await self._hold_back() if cfg.max_ahead is not None else []
+        handed = await self._handshake(self.step, push=list(dict.fromkeys([*lines, *lagging])),
+                                       bound=cfg.delivery_timeout, scheduled=False)
+        self.syncs += 1
+        return handed
 
     async def _handshake(self, version: int, *, push: list[DeliveryLine], bound: float, scheduled: bool,
                          reopen: bool = False) -> list[tuple[DeliveryLine, int]]:
