@@ -19,7 +19,7 @@ import sys
 
 SCRIPT = r"""
 import importlib, json, sys
-from aiosync.syncers.kernels_warmup import warm_up
+from aiosync.syncers.kernels.warmup import warm_up
 warm_up((2,), ctx=True)
 out = {}
 for mod, names in json.loads(sys.argv[1]).items():
