@@ -48,7 +48,7 @@ from ..errors import PeerTimeoutError
 from ..syncers.faults import ApplyFaults, flaky_syncer_factory
 from ..transports.faults import FaultProfile
 from ..transports.simulated import simulated_pair
-from .toy import ToyPolicy, warm_up
+from .toy import ToyPolicy, warm_up_syncer
 
 
 @dataclass
@@ -153,7 +153,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     if sc.apply_failure_rate:
         syncer = flaky_syncer_factory(syncer, apply_faults)
     if sc.faults is not None or sc.apply_failure_rate:
-        await warm_up(policy, syncer, recv_dtype)
+        await warm_up_syncer(policy, syncer, recv_dtype)
     transports: list = []
 
     def make_link(name: str):

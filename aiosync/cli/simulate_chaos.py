@@ -34,7 +34,7 @@ from ..aio import run_sync
 from ..coordination import Synchronizer
 from ..errors import ClosedResourceError, EndOfStream, PeerTimeoutError, TransportError
 from ..transports.simulated import simulated_pair
-from .toy import ToyPolicy, warm_up
+from .toy import ToyPolicy, warm_up_syncer
 
 #: How often (in train steps) a misbehaving explorer misbehaves.
 PERIOD = 16
@@ -50,7 +50,7 @@ async def run_chaos(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
     policy = ToyPolicy(seed)
     recv_dtype = getattr(torch, sc.receiver_dtype)
     syncer = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd", "init_sync": {"enabled": True}}}
-    await warm_up(policy, syncer, recv_dtype)  # no compile while liveness counts
+    await warm_up_syncer(policy, syncer, recv_dtype)  # no compile while liveness counts
     trainer_state = policy.weights(0)
     config = dict(method=sc.method, style=sc.style, sync_interval=sc.sync_interval, max_ahead=sc.max_ahead,
                   sync_weight_no_wait=sc.no_wait, sync_timeout=sc.sync_timeout, delivery_timeout=sc.delivery_timeout,

@@ -51,7 +51,7 @@ class ToyPolicy:
 
 
 
-async def warm_up(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
+async def warm_up_syncer(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
     """One syncer round trip on the toy policy, so that the numba kernels are compiled before
     short delivery timeouts start counting (the faults scenario)."""
     from ..syncers.factory import create_syncer
