@@ -34,7 +34,7 @@ from .fanout import Built, FanOut, changed_elements, receiver_key, restamp
 from .metrics import RunningStat, Series
 from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import LatestSlot
-from .sources import Published, Source, own_bytes
+from .sources import Published, Source, close_off_loop, own_bytes
 
 log = logging.getLogger("aiosync.sync")
 
@@ -257,29 +257,43 @@ class DeliveryLine:
     # -- the task ----------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Serve requests one at a time until :meth:`close` (``start()``-able)."""
+        """Serve requests one at a time until :meth:`close` (``start()``-able). Senders nobody
+        uses any more are closed between deliveries and when the line ends — in a worker
+        thread, after the builds that use them (also when the line is cancelled)."""
         task_status.started()
-        while True:
-            try:
-                req = await self.pending.get()
-            except EndOfStream:
-                return
-            self.in_flight = req
-            self.notify()
-            try:
-                self.last_outcome = await self._serve(req)
-            except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
-                self._fail(exc)
-            finally:
-                self.in_flight = None
-                self.served_seq = max(self.served_seq, req.seq)
+        try:
+            while True:
+                try:
+                    req = await self.pending.get()
+                except EndOfStream:
+                    return
+                self.in_flight = req
                 self.notify()
+                try:
+                    self.last_outcome = await self._serve(req)
+                except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
+                    self._fail(exc)
+                finally:
+                    self.in_flight = None
+                    self.served_seq = max(self.served_seq, req.seq)
+                    self.notify()
+                if self.fanout is not None:
+                    await self.fanout.reap()
+        finally:
+            sender, self.sender = self.sender, None
+            await close_off_loop(sender)
+            if self.fanout is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fanout.reap()
 
     def _fail(self, exc: BaseException) -> None:
-        self.stats.failed += 1
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"
         self.needs_reinit = True
         self.last_outcome = "failed"
+        if self.closed:  # the session ended (detached, lost, closing): not a delivery failure
+            log.debug("aiosync: delivery to %s ended with its session: %s: %s", self.name, type(exc).__name__, exc)
+            return
+        self.stats.failed += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
         log.warning("aiosync: delivery to %s failed: %s", self.name, self.stats.last_error)
 
     async def _bounded(self, phase: str, version: int, coro_fn, *args):
@@ -294,6 +308,8 @@ class DeliveryLine:
                 f"delivery_timeout={self.delivery_timeout}s while {phase}: {_PHASE_HINTS[phase]}") from None
 
     async def _serve(self, req: Request) -> str:
+        if self.closed:
+            return "closed"  # the session ended: nobody takes a delivery any more
         async with self.source.borrow(self, req.fresh_after, req.deadline) as pub:
             if pub is None:
                 if self.source.trainer_stopped:
@@ -307,6 +323,8 @@ class DeliveryLine:
             chain = await self._shared_chain(pub)
             if chain is None:
                 packet, reinit = await self._build(pub)
+        if self.closed:
+            return "closed"
         if pub.revoked:  # the trainer's window closed while this build still read its tensors
             raise PayloadError(f"the payload for version {pub.version} was built while the trainer's window closed "
                                "(its build outlived the bound); not sent")
@@ -371,10 +389,9 @@ class DeliveryLine:
         if self.fanout is not None:
             self.fanout.leave(self)
         bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
-        if self.sender is not None:
-            self.sender.close()
+        old, self.sender = self.sender, None
+        await close_off_loop(old)
         sender = self.syncers.make(bootstrap)
-        self.sender = None
         self._conv += 1
         self.receiver_meta = None
         await self.transport.send(Reinit(pub.version, bootstrap, self._conv))
@@ -389,11 +406,12 @@ class DeliveryLine:
                 recv = _replay(meta, self._recv_init)
                 first = await self.fanout.attach(self, receiver_key(meta), meta, pub, send, sender)
                 if first is not None:
-                    sender.close()
+                    await close_off_loop(sender)
                     self.stats.reinits += 1
                     return own_bytes(Packet(pub.version, [first]), pub)
             await sender.init_sender(pub.state, self.names, send, recv)
         except BaseException as exc:
+            await close_off_loop(sender)
             with anyio.move_on_after(5, shield=True):
                 try:
                     await self.transport.send(Abort(pub.version, f"{type(exc).__name__}: {exc}", self._conv))

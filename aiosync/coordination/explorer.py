@@ -257,6 +257,7 @@ class Explorer(ExplorerEnd):
             if self.mux.error is None and self.error is None:  # the session is closing (final drain done)
                 return
             raise self._lost_error("sync_weight") from (self.error or self.mux.error)
+        self._sent += 1
         if blocking:
             with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
                 await event.wait()
@@ -275,13 +276,21 @@ class Explorer(ExplorerEnd):
         return newer() or self.trainer_stopped or self.closed
 
     async def step_done(self) -> int | None:
-        """Count one explore step; sync if :meth:`need_sync`. Returns the version held."""
+        """Count one explore step; sync if :meth:`need_sync`. Returns the version held.
+        Cancelled before its request went out, the step is not counted: called again, it is
+        the same check point (a sync point is never skipped)."""
         self._check_usable("step_done")
         self.step += 1
-        if self.need_sync():
-            await self.sync_weight()
-        else:
-            await anyio.lowlevel.checkpoint()  # always a checkpoint: a loop of steps never starves the loop
+        sent = self._sent
+        try:
+            if self.need_sync():
+                await self.sync_weight()
+            else:
+                await anyio.lowlevel.checkpoint()  # always a checkpoint: a loop of steps never starves the loop
+        except anyio.get_cancelled_exc_class():
+            if self._sent == sent:
+                self.step -= 1  # nothing went out: this check point did not happen
+            raise
         return self.slot.version
 
     async def wait_applied(self, timeout: float | None = None) -> int | None:

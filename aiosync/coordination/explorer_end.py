@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 from .._strict import check_seconds
+from ..aio import leave_task_group
 from ..errors import ApplyError, ExplorerLostError, HandshakeError, PeerTimeoutError, \
     StateTransitionError, TransportError
 from ..syncers.factory import SyncerFactory, syncer_factory
@@ -64,11 +65,27 @@ class ExplorerEnd:
         self.connect_timeout = check_seconds("Explorer connect_timeout", connect_timeout)
         self.close_timeout = None if close_timeout is None else check_seconds("Explorer close_timeout", close_timeout)
         self._weight_syncer = weight_syncer
-        self.mux = Mux(transport, timeout=connect_timeout)
         self.state = StatusCell(f"explorer {name}")
+        self.step = 0
+        self.outcomes: dict[str, int] = {}
+        self._next_id = 0
+        #: Requests sent (the point of no return of a call that asks).
+        self._sent = 0
+        self._admission_wait_s = RunningStat()
+        self._admission_timeouts = 0
+        self._own_tg: Any = None
+        self._run_scope: anyio.CancelScope | None = None
+        #: Calls into the API in progress (signs of life while they wait).
+        self._calls = 0
+        self._running = False
+        self._user_stopped = False
+        self._new_session()
+
+    def _new_session(self) -> None:
+        """The state of one session (a join that failed or was cancelled may be tried again)."""
+        self.mux = Mux(self.transport, timeout=self.connect_timeout)
         self.config: SynchronizerConfig | None = None
         self.applier: Applier | None = None
-        self.step = 0
         #: The newest version the trainer published, as last told.
         self.published: int | None = None
         #: The versions published, as told (newest last): ``max_ahead`` counts those newer than
@@ -79,14 +96,12 @@ class ExplorerEnd:
         #: Why the session was lost (the synchronizer's process died, or it declared this
         #: explorer lost), or ``None``.
         self.error: BaseException | None = None
-        self.outcomes: dict[str, int] = {}
         #: Outstanding requests by id.
         self._requests: dict[int, _Request] = {}
         #: The explore step of the last successful sync (the join counts as one, at step 0).
-        self._synced_step = 0
+        self._synced_step = self.step
         #: The version the last sync point gave (FIXED waits for a newer one at the next).
         self._synced_version: int | None = None
-        self._next_id = 0
         self._window: int | None = None  # seq of the open NCCL window
         self._window_seq = 0
         self._joined_window = -1
@@ -99,13 +114,6 @@ class ExplorerEnd:
         self._finished = anyio.Event()
         self._changed = anyio.Event()
         self._active = True
-        self._admission_wait_s = RunningStat()
-        self._admission_timeouts = 0
-        self._own_tg: Any = None
-        #: Calls into the API in progress (signs of life while they wait).
-        self._calls = 0
-        self._running = False
-        self._user_stopped = False
 
     @property
     def status(self) -> RunningStatus:
@@ -148,20 +156,29 @@ class ExplorerEnd:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Join, signal readiness (``start()``), and serve the session until it ends. A refused
-        or failed join raises (:class:`HandshakeError`, :class:`ApplyError`, :class:`PeerTimeoutError`)."""
+        or failed join raises (:class:`HandshakeError`, :class:`ApplyError`, :class:`PeerTimeoutError`).
+        A join that fails or is cancelled ends its half-made session (bounded) and leaves the
+        explorer as it was: it may join again at once."""
         if self._running:
             raise RuntimeError(f"explorer {self.name} is already running")
         self._running = True
+        if self.mux.error is not None or self.mux.finished.is_set() or self._welcome is not None:
+            self._new_session()  # an earlier join was tried
         failed: Exception | None = None
         started = False
         try:
             async with anyio.create_task_group() as tg:
+                self._run_scope = tg.cancel_scope
                 await tg.start(self.mux.run)
                 tg.start_soon(self._control)
                 try:
                     await self._join(tg)
-                except Exception as exc:  # raised to the caller as it is, not in an exception group
-                    failed = exc
+                except BaseException as exc:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                        await self._abandon_join()
+                    if not isinstance(exc, Exception):
+                        raise
+                    failed = exc  # raised to the caller as it is, not in an exception group
                     tg.cancel_scope.cancel()
                 else:
                     tg.start_soon(self._heartbeat)
@@ -178,19 +195,36 @@ class ExplorerEnd:
             if self.error is None:
                 self.error = exc
             self._finish()
+        finally:
+            self._run_scope = None
+            if not started:
+                self._running = False  # it never served: it may try again
         if failed is not None:
             raise failed
 
+    async def _abandon_join(self) -> None:
+        """End the session of a join that failed or was cancelled: tell the synchronizer (its
+        half-made session ends too) and wait for its answer, so that nothing of it is left on
+        the wire for the next join."""
+        if not self.mux.finished.is_set() and await self.mux.send_quietly(Close(self.slot.version, "join abandoned")):
+            await self.mux.finished.wait()
+
+    def abandon(self) -> None:
+        """Stop serving now, without a word to the synchronizer (whose side ends the session
+        itself: ``Synchronizer.attach_explorer`` was cancelled)."""
+        if self._run_scope is not None:
+            self._run_scope.cancel()
+
     async def __aenter__(self) -> "ExplorerEnd":
         if not self._running:
-            self._own_tg = anyio.create_task_group()
-            await self._own_tg.__aenter__()
+            tg = anyio.create_task_group()
+            await tg.__aenter__()
             try:
-                await self._own_tg.start(self.run)
-            except BaseException:
-                self._own_tg.cancel_scope.cancel()
-                await self._own_tg.__aexit__(None, None, None)
+                await tg.start(self.run)
+            except BaseException as exc:
+                await leave_task_group(tg, exc)  # whatever ended the join
                 raise
+            self._own_tg = tg
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -205,9 +239,10 @@ class ExplorerEnd:
                 if not self.closed:
                     await self.leave(timeout=min(bound, 30.0) if exc_type is None else 5.0)
         finally:
-            if self._own_tg is not None:
-                self._own_tg.cancel_scope.cancel()
-                await self._own_tg.__aexit__(None, None, None)
+            tg, self._own_tg = self._own_tg, None
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)  # the body's exception is not the task group's
 
     async def _join(self, tg: Any) -> None:
         await self.mux.send(Hello(self.name, self.slot.version))

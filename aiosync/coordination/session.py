@@ -138,6 +138,9 @@ class ExplorerSession:
         while (msg := await self.mux.control.next_message()) is not None:  # None: it went away before it joined
             if isinstance(msg, Hello):
                 return msg
+            if isinstance(msg, Close):  # it gave up before its Hello came: answer, the wire is free again
+                await self.mux.send_quietly(Close(None, "bye"))
+                return None
         return None
 
     async def _refuse(self, reason: str) -> None:
@@ -332,6 +335,19 @@ class ExplorerSession:
         if self._notices_tx is not None:
             self._notices_tx.close()
         self.hub.changed()
+
+    def abandon(self) -> None:
+        """End the session now, without a word to the explorer (``Synchronizer.attach_explorer``
+        was cancelled: the explorer it made is abandoned too). Its name is free at once."""
+        if self.hub.joining.get(self.name) is self:
+            del self.hub.joining[self.name]
+        if self.hub.sessions.get(self.name) is self:
+            del self.hub.sessions[self.name]
+        if not self.closed:
+            self._closing = True
+            self._end()
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
 
     async def close(self, reason: str = "", *, timeout: float = 10.0) -> None:
         """End the session: send Close, wait (bounded, shielded) for the explorer's Close."""

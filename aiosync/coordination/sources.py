@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import finish_cuda_work, run_sync
+from ..aio import bind_cuda, finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir, check_tensors_fit
 from ..errors import PeerTimeoutError, VersionError
 from ..syncers.common.state_dicts import is_dtensor
@@ -71,6 +71,16 @@ async def free_off_loop(box: list) -> None:
     if box:
         with anyio.CancelScope(shield=True):
             await run_sync(box.clear)
+
+
+async def close_off_loop(closable: Any, bound: float = 30.0) -> None:
+    """``closable.close()`` in a worker thread (a sender syncer: its snapshot is freed, its
+    builder threads joined): never on the event loop, shielded (a cancelled caller still closes
+    it), and waited for at most ``bound`` seconds — then it finishes in its thread, abandoned."""
+    if closable is None:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(bound):
+        await anyio.to_thread.run_sync(bind_cuda(closable.close), abandon_on_cancel=True)
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import torch
 
+from ..aio import leave_task_group
 from ..checkpoints import CheckpointDir
 from ..errors import ConfigError, DrainError, PeerTimeoutError
 from ..syncers.factory import syncer_factory
@@ -121,10 +122,15 @@ class Synchronizer:
     async def __aenter__(self) -> "Synchronizer":
         if self._tg is not None:
             raise RuntimeError("a Synchronizer can be entered once")
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        if self.loop_lag is not None:
-            await self._tg.start(self.loop_lag.run)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            if self.loop_lag is not None:
+                await tg.start(self.loop_lag.run)
+        except BaseException as exc:
+            await leave_task_group(tg, exc)  # whatever ended the entry
+            raise
+        self._tg = tg
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool | None:
@@ -148,6 +154,9 @@ class Synchronizer:
                 await self.hub.shard_peers.close(reason)
             self._shutdown()
             await self._tg.__aexit__(None, None, None)
+            if self.fanout is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fanout.reap()  # senders nobody follows any more, closed off the loop
         if drain_error is not None:
             raise drain_error
         return None
@@ -286,21 +295,32 @@ class Synchronizer:
         slot = model if isinstance(model, PolicySlot) else PolicySlot(model, version)
         sync_end, explorer_end = self._transport_factory(name)
         self._transports += [sync_end, explorer_end]
-        session = ExplorerSession(self.hub, sync_end)
-        await tg.start(session.run)
         cfg = self.config
+        session = ExplorerSession(self.hub, sync_end)
         explorer = Explorer(name, slot, explorer_end, weight_syncer=self.hub.syncers,
                             connect_timeout=cfg.sync_timeout + cfg.delivery_timeout)
-        if cfg.method is not SyncMethod.NCCL:
-            await tg.start(explorer.run)
-            return explorer
-        async with anyio.create_task_group() as join_tg:  # serve its first sync from the live tensors
-            join_tg.start_soon(self._serve_joining)
-            try:
+        try:
+            await tg.start(session.run)
+            if cfg.method is not SyncMethod.NCCL:
                 await tg.start(explorer.run)
-            finally:
-                join_tg.cancel_scope.cancel()
-        return explorer
+                return explorer
+            async with anyio.create_task_group() as join_tg:  # serve its first sync from the live tensors
+                join_tg.start_soon(self._serve_joining)
+                try:
+                    await tg.start(explorer.run)
+                finally:
+                    join_tg.cancel_scope.cancel()
+            return explorer
+        except BaseException:
+            # Failed or cancelled: nothing of this attach is left — no session (its name is free
+            # at once), no explorer task, no channel.
+            session.abandon()
+            explorer.abandon()
+            for end in (sync_end, explorer_end):
+                close = getattr(end, "close", None)
+                if close is not None:
+                    close()
+            raise
 
     async def detach_explorer(self, name: str) -> None:
         """End an explorer's session (it is told, bounded by ``sync_timeout``); S12: explorers

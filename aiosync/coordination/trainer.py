@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import anyio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,9 +140,10 @@ class TrainerHandle:
             handed = await self._handshake(version, push=pushed, bound=bound,
                                            scheduled=cfg.style is not SyncStyle.EXPLORER_DRIVEN)
         else:
-            pub = await hub.source.publish(self.live(), self.names, version)
-            self.publish_s.add(hub.source.publish_s)
-            self.version = pub.version
+            with anyio.CancelScope(shield=True):  # the point of no return: a cancelled call still publishes whole
+                pub = await hub.source.publish(self.live(), self.names, version)
+                self.publish_s.add(hub.source.publish_s)
+                self.version = pub.version
             handed = [(line, line.request()) for line in hub.lines()] if push or (blocking and self.syncs == 0) else []
         self.version = version
         self.syncs += 1
@@ -275,15 +278,30 @@ class TrainerHandle:
 
     async def step_done(self) -> bool:
         """Count one train step; sync if the schedule (or a waiting explorer) asks. Returns
-        whether a sync happened."""
+        whether a sync happened. Cancelled before anything was published, the step is not
+        counted: called again, it is the same check point (a scheduled sync is never skipped;
+        a sharded trainer's other ranks wait for it)."""
         self.step += 1
+        published = self.version
         try:
-            if self.need_sync():
+            synced = self.need_sync()
+            if synced:
                 await self.sync_weight()
-                return True
-            return False
-        finally:
-            if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
+        except anyio.get_cancelled_exc_class():
+            if self.version == published:
+                self.step -= 1
+            else:
+                await self._ranks_go()
+            raise
+        except BaseException:
+            await self._ranks_go()
+            raise
+        await self._ranks_go()
+        return synced
+
+    async def _ranks_go(self) -> None:
+        if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
+            with anyio.CancelScope(shield=True):
                 await self.hub.shard_peers.go(self.step)
 
     async def stop(self, *, publish_final: bool = True) -> None:
