@@ -86,6 +86,8 @@ class Scenario:
     batch: int | None = None
     #: ``synchronizer.liveness_timeout``
     liveness_timeout: float = 60.0
+    #: the cancel scenario: the longest budget a call is given (half the calls get none at all)
+    cancel_max_s: float = 0.004
 
 
 # Rates per message; each explorer's link carries ~4 messages per version in each direction.
@@ -105,6 +107,9 @@ SCENARIOS = {
     "chaos": Scenario("chaos", steps=80, step_time=0.02, explore_time=0.004, latency=0.005, bandwidth=1e9,
                       jitter=0.002, style="fixed", sync_interval=2, max_ahead=1, sync_timeout=5.0,
                       delivery_timeout=5.0, liveness_timeout=1.0),
+    # Random cancellations of every public await, made again at once (simulate_cancel.py).
+    "cancel": Scenario("cancel", steps=400, step_time=0.01, explore_time=0.002, latency=0.002, bandwidth=1e9,
+                       jitter=0.001, style="fixed", sync_timeout=5.0, delivery_timeout=5.0),
 }
 
 
@@ -351,6 +356,8 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
         from .simulate_chaos import run_chaos as main
         explorers = max(explorers, 3)
         logger.setLevel(logging.ERROR)  # one warning per lost explorer: the report counts them instead
+    elif sc.name == "cancel":
+        from .simulate_cancel import run_cancel as main
     else:
         main = _simulate
     t0 = time.perf_counter()
@@ -403,6 +410,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if "wrong_leases" in report:  # cancel
+        for k in ("scenario", "method", "cancellations", "retries", "attach_cancels", "wrong_leases", "leases",
+                  "failed_after_cancel", "longest_stale_s", "exit_s", "steps", "final_bit_exact"):
+            print(f"{k:<20}  {report[k]}")
+        return 0
     if "synchronizer_errors" in report:  # chaos
         for k in ("scenario", "method", "synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors",
                   "dropped", "hold_back_timeouts", "max_ahead_exceeded", "steps", "torn_reads", "final_bit_exact"):

@@ -289,7 +289,9 @@ class DeliveryLine:
     def _fail(self, exc: BaseException) -> None:
         self.needs_reinit = True
         self.last_outcome = "failed"
-        if self.closed:  # the session ended (detached, lost, closing): not a delivery failure
+        mux = getattr(self.transport, "mux", None)
+        ending = mux is not None and (mux.close_sent or mux.peer_closed.is_set())
+        if self.closed or ending:  # the session ends (detached, lost, closing): not a delivery failure
             log.debug("aiosync: delivery to %s ended with its session: %s: %s", self.name, type(exc).__name__, exc)
             return
         self.stats.failed += 1

@@ -317,13 +317,12 @@ class FanOut:
         """Close the senders of dropped lineages that no build uses now, in a worker thread
         (their snapshots — on every rank, for a sharded trainer — are freed). Called by the
         delivery lines between deliveries and when they end, and when the synchronizer closes."""
-        while True:
-            idle = [lin for lin in self._retired if not lin.lock.locked()]
-            if not idle:
+        while True:  # one at a time: another line may reap while this one closes
+            lineage = next((lin for lin in self._retired if not lin.lock.locked()), None)
+            if lineage is None:
                 return
-            for lineage in idle:
-                self._retired.remove(lineage)
-                await close_off_loop(lineage.sender)
+            self._retired.remove(lineage)
+            await close_off_loop(lineage.sender)
 
     def _move(self, member: Hashable, lineage: Lineage) -> None:
         old = self._member_of.get(member)

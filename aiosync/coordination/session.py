@@ -194,6 +194,7 @@ class ExplorerSession:
             seq = line.request(deadline=time.monotonic() + cfg.sync_timeout)
         else:
             seq = line.request()
+        tg.start_soon(self._watch_join, line)
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         if self.closed:
             return False  # ended meanwhile (the synchronizer closes, or the join was abandoned)
@@ -210,6 +211,14 @@ class ExplorerSession:
         tg.start_soon(self._watch_liveness)
         log.info("aiosync: explorer %s attached at version %s", hello.name, line.applied_version)
         return True
+
+    async def _watch_join(self, line: DeliveryLine) -> None:
+        """An explorer that gives up its join (its Close, or its wire broke) ends its first sync
+        at once — also while that waits for the trainer (an NCCL window) — so it is answered now,
+        not when the first sync's own bound runs out."""
+        await self.mux.finished.wait()
+        if not self._attached:
+            line.close()
 
     def _on_line_change(self, busy: bool | None, settled: bool | None) -> None:
         """The line went busy / idle (the explorer's status, as the synchronizer sees it), or a
