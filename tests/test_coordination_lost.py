@@ -16,7 +16,7 @@ import pytest
 from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.protocol import (Ack, Attached, Close, Credit, Heartbeat, Hello, Leave, Notice, Packet, Part,
                                            Refused, Served, Stopped, SyncRequest, Welcome)
-from aiosync.errors import ExplorerLostError, TransportError
+from aiosync.errors import EndOfStream, ExplorerLostError, TransportError
 from aiosync.transports.inproc import inproc_pair
 from helpers import HANG_GUARD, PATCH, Gate, GatedTransport, holds, rollout_model, train_to, trainer_state
 
@@ -227,6 +227,26 @@ async def test_an_explorer_comes_back_on_the_same_wire_after_its_session_ended()
                 await trainer.sync_weight(2)
                 assert await other.sync_weight() == 2 and holds(other.slot.model, 2)
                 await trainer.stop()
+
+
+@pytest.mark.parametrize("joined_before", [True, False])
+async def test_an_explorer_on_a_wire_whose_synchronizer_closed_is_told_so_at_once(joined_before):
+    """Issue 34 item 8: once the synchronizer closed, nobody serves the wires it served; an
+    Explorer that joins on one fails at once, saying why (before: it waited connect_timeout for
+    "no answer from the synchronizer" — 120 s by default)."""
+    state = trainer_state()
+    a, b = inproc_pair(timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD):
+        async with Synchronizer(dict(style="trainer_driven", sync_timeout=HANG_GUARD), PATCH) as sync:
+            trainer = await sync.attach_trainer(state)
+            sync.serve_remote(a)
+            if joined_before:
+                async with Explorer("e0", rollout_model(), b) as first:
+                    await trainer.stop()
+                assert first.version == 0 and first.error is None
+        with pytest.raises(EndOfStream, match="nobody serves this wire.*has closed"):
+            async with Explorer("e0", rollout_model(), b, connect_timeout=2 * HANG_GUARD):
+                pass
 
 
 async def test_an_explorer_waiting_in_a_call_is_alive():

@@ -210,11 +210,7 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
         t_exit = time.perf_counter()
     exit_s = time.perf_counter() - t_exit
     final = trainer.version
-    expected = policy.weights(final)
-    final_state = {name: {"version": ex.version,
-                          "differs": [k for k, v in expected.items()
-                                      if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
-                   for name, ex in current.items()}
+    final_state = policy.final_state(current, final)
     if tmp is not None:
         tmp.cleanup()
     return {

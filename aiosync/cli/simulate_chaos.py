@@ -193,11 +193,7 @@ async def run_chaos(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
     internal = [f"{name}: {type(s.error).__name__}: {s.error}" for name, s in sync.explorers.items()
                 if s.error is not None and not isinstance(s.error, EXPECTED_LOSS)]
     final = sync.trainer.version if sync.trainer is not None else None
-    expected = policy.weights(final) if final is not None else {}
-    final_state = {name: {"version": ex.version,
-                          "differs": [k for k, v in expected.items()
-                                      if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
-                   for name, ex in current.items()}
+    final_state = policy.final_state(current, final)
     if tmp is not None:
         tmp.cleanup()
     stats = sync.trainer.statistics() if sync.trainer is not None else None

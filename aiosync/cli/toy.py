@@ -49,6 +49,15 @@ class ToyPolicy:
         expected = cache[version]
         return all(torch.equal(state[k], expected[k]) for k in expected)
 
+    def final_state(self, explorers: dict, version: int | None) -> dict:
+        """Per explorer: the version it holds and the keys that differ from ``version``'s weights
+        (cast to its dtypes) — a run's end, in its report."""
+        expected = self.weights(version) if version is not None else {}
+        return {name: {"version": ex.version,
+                       "differs": [k for k, v in expected.items()
+                                   if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
+                for name, ex in explorers.items()}
+
 
 
 async def warm_up_syncer(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:

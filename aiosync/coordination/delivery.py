@@ -167,6 +167,9 @@ class DeliveryLine:
     receiver_meta: Any = None
     #: The transport under :attr:`transport` (a multicast round sends on it directly).
     wire: Any = None
+    #: Who other than the explorer a delivery waits for now (the other ranks of a sharded
+    #: trainer), named, or ``None``: a timeout then names them, not the explorer.
+    stalled: Callable[[], str | None] | None = None
     _conv: int = field(default=0, repr=False)
     _phase: str = field(default="", repr=False)
     _deadline: float = field(default=0.0, repr=False)
@@ -305,9 +308,14 @@ class DeliveryLine:
             with anyio.fail_after(self._deadline - time.monotonic()):
                 return await coro_fn(*args)
         except TimeoutError:
+            who = None if self.stalled is None else self.stalled()
+            hint = _PHASE_HINTS[phase] if who is None else (
+                f"it waited for {who} of the sharded trainer, not for the explorer: that rank is not at rank 0's "
+                "step (call step_done() on every rank at the same steps; between steps the ranks serve only while "
+                "rank 0 is in wait_for_explorers, attach_explorer or step_done)")
             raise DeliveryTimeout(
                 f"delivery of version {version} to explorer {self.name} did not finish within "
-                f"delivery_timeout={self.delivery_timeout}s while {phase}: {_PHASE_HINTS[phase]}") from None
+                f"delivery_timeout={self.delivery_timeout}s while {phase}: {hint}") from None
 
     async def _serve(self, req: Request) -> str:
         if self.closed:

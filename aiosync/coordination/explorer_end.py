@@ -22,7 +22,7 @@ import anyio
 
 from .._strict import check_seconds
 from ..aio import leave_task_group
-from ..errors import ApplyError, ExplorerLostError, HandshakeError, PeerTimeoutError, \
+from ..errors import ApplyError, EndOfStream, ExplorerLostError, HandshakeError, PeerTimeoutError, \
     StateTransitionError, TransportError
 from ..syncers.factory import SyncerFactory, syncer_factory
 from ..transports.base import Transport
@@ -30,7 +30,7 @@ from .applier import Applier
 from .config import SynchronizerConfig
 from .metrics import RunningStat
 from .mux import Mux
-from .protocol import Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Welcome
+from .protocol import UNSERVED, Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Welcome
 from .slots import PolicySlot
 from .sources import HISTORY
 from .states import RunningStatus, StatusCell
@@ -109,6 +109,7 @@ class ExplorerEnd:
         self._delivering = False
         self._welcome: Welcome | None = None
         self._answer: Control | None = None
+        self._hello_error: Exception | None = None
         self._welcomed = anyio.Event()
         self._answered = anyio.Event()
         self._finished = anyio.Event()
@@ -245,10 +246,18 @@ class ExplorerEnd:
                 await tg.__aexit__(None, None, None)  # the body's exception is not the task group's
 
     async def _join(self, tg: Any) -> None:
-        await self.mux.send(Hello(self.name, self.slot.version))
+        tg.start_soon(self._hello)  # the answer may come first: a wire nobody serves any more
         with anyio.move_on_after(self.connect_timeout):
             await self._welcomed.wait()
         if self._welcome is None:
+            if isinstance(self._answer, Close):  # what was left on the wire for us, before any session
+                reason = self._answer.reason
+                if reason.startswith(UNSERVED):
+                    raise EndOfStream(f"explorer {self.name}: nobody serves this wire — {reason[len(UNSERVED):].strip()}")
+                raise EndOfStream(f"explorer {self.name}: the synchronizer ended the session before it began "
+                                  f"({reason or 'no reason given'}); join again")
+            if self._hello_error is not None:
+                raise self._hello_error
             await self._after_refusal()
             if isinstance(self._answer, Refused):
                 raise HandshakeError(f"the synchronizer refused explorer {self.name}: {self._answer.reason}")
@@ -281,6 +290,15 @@ class ExplorerEnd:
         raise PeerTimeoutError(f"explorer {self.name}: the first sync did not finish within "
                                f"{cfg.sync_timeout + cfg.delivery_timeout}s"
                                + (f" ({self.mux.error})" if self.mux.error else ""))
+
+    async def _hello(self) -> None:
+        """Say Hello; a send that fails ends the join with its error."""
+        try:
+            await self.mux.send(Hello(self.name, self.slot.version))
+        except Exception as exc:
+            if not self.mux.peer_closed.is_set():  # else the peer's Close came first: it is the answer
+                self._hello_error = exc
+                self._welcomed.set()
 
     async def _after_refusal(self) -> None:
         if isinstance(self._answer, Refused):
@@ -324,6 +342,11 @@ class ExplorerEnd:
             elif isinstance(msg, Notice):
                 self._on_notice(msg)
             elif isinstance(msg, Close):
+                if self._welcome is None and self._answer is None:  # before any answer: the join ends with it
+                    self._answer = msg
+                    self._welcomed.set()
+                    if msg.reason.startswith(UNSERVED):  # nobody reads this wire: nothing to answer
+                        return
                 if msg.reason.startswith("lost:"):
                     reason = msg.reason[len("lost:"):].strip()
                     self.error = ExplorerLostError(f"the synchronizer declared explorer {self.name} lost: {reason}",

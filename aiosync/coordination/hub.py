@@ -63,6 +63,11 @@ class Hub:
     senders: SyncerFactory | None = None
     #: The other ranks of a sharded trainer (told when each check point is over), or ``None``.
     shard_peers: Any = None
+    #: Who other than an explorer its delivery waits for now, named (a sharded trainer's
+    #: ranks: ``ShardSet.stalled``), for timeout messages; ``None``: nobody.
+    stalled: Any = None
+    #: Why the last join was refused (``wait_for_explorers`` says so when it times out).
+    last_refusal: str | None = None
     #: Attached explorer sessions by name (``Synchronizer.explorers``); lost ones stay, with their error.
     sessions: dict = field(default_factory=dict)
     #: Sessions whose first sync runs now, by name.

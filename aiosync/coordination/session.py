@@ -145,6 +145,7 @@ class ExplorerSession:
 
     async def _refuse(self, reason: str) -> None:
         log.warning("aiosync: refused explorer %s: %s", self.name, reason)
+        self.hub.last_refusal = f"explorer {self.name}: {reason}"
         with anyio.move_on_after(10, shield=True):
             await self.mux.send_quietly(Refused(reason))
             await self.mux.send_quietly(Close(None, reason))
@@ -174,7 +175,8 @@ class ExplorerSession:
     async def _first_sync(self, hello: Hello, tg: Any) -> bool:
         hub, cfg, trainer = self.hub, self.hub.config, self.hub.trainer
         line = DeliveryLine(hello.name, self.mux.data, hub.senders or hub.syncers, hub.source, trainer.names,
-                            cfg.delivery_timeout, fanout=hub.fanout, on_change=self._on_line_change, wire=self.wire)
+                            cfg.delivery_timeout, fanout=hub.fanout, on_change=self._on_line_change, wire=self.wire,
+                            stalled=hub.stalled)
         # A patch syncer without init_sync trusts the explorer to hold the trainer's weights
         # already (the seed's assumption); only an explorer that declares the version gets that trust.
         line.bootstrap_first = hub.syncers.bootstrap_unless_declared and hello.version != trainer.version

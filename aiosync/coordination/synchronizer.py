@@ -16,6 +16,7 @@ The layers, and the path of one sync, are described in ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 
 from ..aio import leave_task_group
 from ..checkpoints import CheckpointDir
-from ..errors import ConfigError, DrainError, PeerTimeoutError
+from ..errors import AiosyncError, ConfigError, DrainError, PeerTimeoutError
 from ..syncers.factory import syncer_factory
 from ..syncers.common.state_dicts import collect_param_names_need_sync
 from ..transports.base import Transport
@@ -36,6 +37,7 @@ from .explorer import Explorer
 from .fanout import FanOut, FanOutStatistics
 from .hub import Hub
 from .metrics import LoopLagMonitor, LoopLagStatistics, as_plain, log_metrics
+from .protocol import UNSERVED, Close
 from .session import ExplorerSession, ExplorerStatistics
 from .slots import PolicySlot
 from .sources import CheckpointSource, DirectSource, MemorySource
@@ -270,6 +272,7 @@ class Synchronizer:
                           timeout=cfg.delivery_timeout)
         self.hub.senders = SyncerFactory(shards.make, syncers.config, True, syncers.bootstrap_unless_declared)
         self.hub.shard_peers = peers
+        self.hub.stalled = shards.stalled  # a delivery that times out names the rank it waited for
         self.shards = shards
 
     async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> Explorer:
@@ -304,8 +307,8 @@ class Synchronizer:
             if cfg.method is not SyncMethod.NCCL:
                 await tg.start(explorer.run)
                 return explorer
-            async with anyio.create_task_group() as join_tg:  # serve its first sync from the live tensors
-                join_tg.start_soon(self._serve_joining)
+            async with self._ranks_serving(), anyio.create_task_group() as join_tg:
+                join_tg.start_soon(self._serve_joining)  # its first sync, from the live tensors
                 try:
                     await tg.start(explorer.run)
                 finally:
@@ -353,13 +356,19 @@ class Synchronizer:
         the wire intact (the explorer left, or was declared lost and answered the Close) is
         followed by a new one listening for the next Hello — an explorer that comes back on the
         same wire is attached again. Ends when the wire breaks or the synchronizer closes."""
-        hello = None
-        while not self._closing:
-            session = ExplorerSession(self.hub, transport)
-            await session.run(hello)
-            if session.mux.error is not None:
-                return  # the wire is gone
-            hello = session.next_hello
+        hello, intact = None, True
+        try:
+            while not self._closing:
+                session = ExplorerSession(self.hub, transport)
+                await session.run(hello)
+                if session.mux.error is not None:
+                    intact = False
+                    return  # the wire is gone
+                hello = session.next_hello
+        finally:
+            if intact and self._closing:
+                with anyio.CancelScope(shield=True):
+                    await _leave_unserved(transport)
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` explorers are attached (in this process or others) and not
@@ -367,18 +376,30 @@ class Synchronizer:
         ``timeout`` seconds.
 
         With NCCL, call it from the trainer's task: a joining explorer's first sync reads the
-        trainer's live tensors, so the handshake for it is served here.
+        trainer's live tensors, so the handshake for it is served here. A sharded trainer's other
+        ranks serve it too meanwhile (they are between steps: their next one waits for this rank).
         """
         def attached() -> list[str]:
             return [name for name, s in self.explorers.items() if s.open]
 
         with anyio.move_on_after(timeout):
-            while len(attached()) < n:
-                await self._serve_joining_once()
-                await self.hub.source.changed(None)  # an explorer joined, or one waits for a window
+            async with self._ranks_serving():
+                while len(attached()) < n:
+                    await self._serve_joining_once()
+                    await self.hub.source.changed(None)  # an explorer joined, or one waits for a window
         if len(attached()) < n:
-            raise PeerTimeoutError(f"{len(attached())} of {n} explorers attached within {timeout}s")
+            why = self.hub.last_refusal
+            raise PeerTimeoutError(f"{len(attached())} of {n} explorers attached within {timeout}s"
+                                   + (f" (the last join refused: {why})" if why else ""))
         return attached()
+
+    def _ranks_serving(self) -> Any:
+        """A sharded trainer's other ranks serve while this rank serves joiners between steps
+        (``ShardPeers.serving``); before the first step and after the last they serve anyway."""
+        trainer, peers = self.trainer, self.hub.shard_peers
+        if peers is None or trainer is None or trainer.step == 0 or trainer.status is RunningStatus.STOPPED:
+            return contextlib.nullcontext()
+        return peers.serving(trainer.step)
 
     async def _serve_joining_once(self) -> None:
         trainer, source = self.trainer, self.hub.source
@@ -475,3 +496,20 @@ class Synchronizer:
 
 async def _close(session: ExplorerSession, reason: str, timeout: float) -> None:
     await session.close(reason, timeout=timeout)
+
+
+async def _leave_unserved(wire: Transport) -> None:
+    """The last word on a wire this synchronizer served: an explorer that joins on it later
+    reads it at once and fails saying why, instead of waiting for an answer that never comes.
+    Posted without waiting for a reader (``send_nowait``) where the wire can; else a bounded send."""
+    msg = Close(None, f"{UNSERVED} the synchronizer that served this wire (serve_remote) has closed; nobody "
+                      "answers on it any more — join a synchronizer that serves it")
+    try:
+        nowait = getattr(wire, "send_nowait", None)
+        if nowait is not None:
+            nowait(msg)
+        else:
+            with anyio.move_on_after(1.0):
+                await wire.send(msg)
+    except (AiosyncError, OSError) as exc:  # a broken or full wire: its explorer learns it its own way
+        log.debug("aiosync: could not leave the closing word on a wire: %s", exc)
