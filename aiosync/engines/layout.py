@@ -105,7 +105,9 @@ def layout_problem(layout: Mapping[str, TensorSpec], given: Mapping[str, TensorS
         same_kind = spec.dtype is None or have.dtype is None or spec.dtype == have.dtype or (
             spec.dtype.is_floating_point and have.dtype.is_floating_point)
         if spec.shape != have.shape or not same_kind:
-            return f"{name!r} is {spec}, the engine's checkpoint has {have}"
+            fix = (" (an engine keeps the shapes it was started with: for new shapes, such as a resized vocabulary, "
+                   "start it from the new checkpoint)") if spec.shape != have.shape else ""
+            return f"{name!r} is {spec}, the engine's checkpoint has {have}{fix}"
     return None
 
 

@@ -230,7 +230,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         self._group_of = {k: i for i, g in enumerate(groups) for k in g}
         self._groups = groups
         self.pause_mode, self.clear_cache = pause_mode, clear_cache
-        self.bucket_size, self.timeout = bucket_size, timeout
+        self.bucket_size = bucket_size
         #: The version the engine holds (as labelled), ``None`` before the first write.
         self.version: int | None = None
         #: Why the target gave up (the engine's weights are unknown), or ``None``.
@@ -243,6 +243,17 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         self._nonce, self._update_ids = f"{os.getpid():x}.{id(self):x}", itertools.count()
         calls = OfflineCalls if self.kind == "llm" else AsyncCalls
         self._calls = calls(engine, pause_mode, clear_cache, timeout)
+
+    @property
+    def timeout(self) -> float:
+        """The bound on every engine call (seconds); may be changed between writes."""
+        return self._calls.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ConfigError(f"VLLMTarget: timeout must be positive, got {seconds!r}")
+        self._calls.timeout = seconds
 
     def _check_layout(self, model_dir: str) -> None:
         layout = checkpoint_layout(model_dir)
@@ -386,7 +397,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         (:class:`_Kept`), unless it says it no longer knows them or it died."""
         if _UNKNOWN in str(exc) or self._calls.dead():
             return self._broken(f"the vLLM engine failed {what}: {exc}")
-        return _Kept(ApplyError(f"the vLLM engine refused {what}: {exc}"))
+        return _Kept(ApplyError(f"the vLLM engine refused {what}: {exc}; the next sync sends it again"))
 
     async def _relabel(self, label: int) -> None:
         try:
@@ -403,17 +414,10 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         calls = self._calls
         with anyio.CancelScope(shield=True):
             payloads = await calls.payloads(self._buckets(keys, label))  # before the pause
-            if not self._initialized:
-                try:
-                    await calls.answer("init_weight_transfer_engine", calls.init(self._init_info()))
-                except Late as late:
-                    raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
-                except Exception as exc:
-                    raise self._refused("the manifest of this target", exc) from exc
-                self._initialized = True
             t0 = time.perf_counter()
             try:
                 async with calls.paused():
+                    await self._init()
                     await self._transaction(payloads, label)
             except ResumeFailed as exc:
                 raise self._broken(f"{exc}: generation may stay paused") from exc
@@ -427,6 +431,20 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                 raise _Kept(PeerTimeoutError(f"requests in flight did not finish within {self.timeout}s for the "
                                              "write (pause_mode='wait'); nothing was written")) from exc
             self._count_sent(keys, time.perf_counter() - t0)
+
+    async def _init(self) -> None:
+        """The engine's first call from this target: the manifest (checked there against the
+        engine's own checkpoint before it replaces the previous one)."""
+        if self._initialized:
+            return
+        calls = self._calls
+        try:
+            await calls.answer("init_weight_transfer_engine", calls.init(self._init_info()))
+        except Late as late:
+            raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
+        except Exception as exc:
+            raise self._refused("the manifest of this target", exc) from exc
+        self._initialized = True
 
     async def _transaction(self, payloads: list[dict], label: int | None) -> None:
         calls = self._calls

@@ -214,20 +214,23 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
             if not isinstance(exc, Exception) or KEPT in str(exc):
                 raise
             raise PayloadError(f"aiosync backend: update {update.update_id} refused after {update.progress()} "
-                               f"({type(exc).__name__}: {exc}); {KEPT} (version {self.version})") from exc
+                               f"({type(exc).__name__}: {exc}); {KEPT} ({self._held()})") from exc
 
     def finish_weight_update(self) -> None:
         update = self._update
         if update is not None:
             self._close(update)
             if not update.committed:
-                log.warning("aiosync backend: update %s ended uncommitted after %s; discarded, the engine keeps "
-                            "version %s", update.update_id, update.progress(), self.version)
+                log.warning("aiosync backend: update %s ended uncommitted after %s; discarded, the engine keeps %s",
+                            update.update_id, update.progress(), self._held())
 
     def shutdown(self) -> None:
         self._update = None
 
     # -- the update ----------------------------------------------------------------------
+
+    def _held(self) -> str:
+        return "the weights it was started with" if self.version is None else f"version {self.version}"
 
     def _close(self, update: _Update) -> None:
         if update.update_id is not None:
@@ -255,12 +258,12 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         reader = update.reader
         if not reader.done:
             raise PayloadError(f"aiosync backend: update {update.update_id} was committed after {update.progress()}"
-                               f" (bucket {reader.index} never arrived); {KEPT} (version {self.version})")
+                               f" (bucket {reader.index} never arrived); {KEPT} ({self._held()})")
         gap = incomplete_group(self._groups, (n for tensors in update.staged for n in tensors))
         if gap is not None:
             raise PayloadError(f"aiosync backend: update {update.update_id} holds {gap[1]!r} but not {gap[0]!r} of "
                                f"the same layer: the engine rebuilds a layer only from all of its checkpoint tensors; "
-                               f"{KEPT} (version {self.version})")
+                               f"{KEPT} ({self._held()})")
         try:
             load_layers(self.model, self.model_config, self._weights(update))
         except ReloadRestoreError:
@@ -268,7 +271,7 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         except Exception as exc:
             raise ApplyError(f"aiosync backend: the engine's weight loader raised {type(exc).__name__}: {exc} "
                                f"(update {update.update_id}, version {reader.version}); every layer was put back: "
-                               f"{KEPT} (version {self.version})") from exc
+                               f"{KEPT} ({self._held()})") from exc
         update.committed = True
         self.version = reader.version
 
