@@ -23,7 +23,8 @@ one holding ``v_proj`` of a layer whose ``q_proj`` and ``k_proj`` are in the fir
   ``init_weight_transfer_engine``, as any client of vLLM's weight-transfer API could.
 
 Per engine and fault the report says: ``in_flight_ok`` (the request completed, its tokens
-those of HF transformers on the old weights, every token labelled with the old version),
+those the engine generated for the same prompt just before the fault — the old weights — and
+every token labelled with the old version),
 ``generates_after`` (new requests complete), ``outputs_as_before`` (their tokens equal, and
 their log-probabilities within 1e-6 of, those before the fault), ``version_kept`` (the
 target's version and the engine's label did not move), ``next_update_ok`` (the next update
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import sys
@@ -226,9 +226,6 @@ class Run:
         self.sync = self.trainer = self.explorer = None
         self.step = 0
 
-    def label(self) -> str:
-        return "default" if self.target.version is None else str(self.target.version)
-
     def last_error(self) -> str:
         return self.sync.metrics()["explorers"][self.explorer_name]["last_error"] or ""
 
@@ -247,7 +244,10 @@ class Run:
 
     async def fault(self, name: str, inject: Any, next_update: Any = None) -> dict:
         """Strike with ``inject`` (returns the error reported) while a request is in flight."""
-        before, label, old = await outputs(self.target), self.label(), copy.deepcopy(self.model)
+        before, version = await outputs(self.target), self.target.version
+        label = before[0][2]  # the engine's label: "default" before any write
+        reference = sample((await self.target.generate([{"prompt_token_ids": IN_FLIGHT}],
+                                                       params(IN_FLIGHT_TOKENS)))[0].outputs[0])
         flight = InFlight(self.target)
         async with anyio.create_task_group() as tg:
             await flight.start(tg)
@@ -255,14 +255,13 @@ class Run:
                 error = await inject()
             finally:
                 await flight.release()
-        out = flight.output
-        in_flight_ok = (out is not None and list(out.token_ids) == greedy(old, IN_FLIGHT, IN_FLIGHT_TOKENS)[0]
-                        and labels(out) == {label})
+        out = flight.output  # its tokens: those the old weights generate, every one labelled with the old version
+        in_flight_ok = out is not None and sample(out)[0] == reference[0] and labels(out) == label == reference[2]
         try:
             after = await outputs(self.target)
         except Exception as exc:  # an engine that cannot generate any more
             return dict(zip(KEYS, (in_flight_ok, False, False, False, False, f"{error} / then: {exc}")))
-        version_kept = self.label() == label and all(a[2] == {label} for a in after)
+        version_kept = self.target.version == version and all(a[2] == label for a in after)
         ok = await (next_update or self.next_update_ok)()
         return dict(zip(KEYS, (in_flight_ok, True, same_outputs(before, after), version_kept, ok, error)))
 
