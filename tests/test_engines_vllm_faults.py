@@ -135,13 +135,16 @@ def test_the_engine_checks_a_manifest_against_its_checkpoint(llm, model_dir):
 async def test_an_update_a_dead_client_left_open_is_closed_by_the_next_write(llm, model_dir):
     """A client that died between start and finish left the engine's update open: vLLM's
     worker refuses every later start ("already active"). The target's next write closes it (an
-    uncommitted update is discarded) and lands."""
+    uncommitted update is discarded) and lands — a fresh target's first write as well."""
     model = example.hf_model(model_dir)
+    manifest = [[k, list(v.shape), "float32"] for k, v in model.state_dict().items() if k != "lm_head.weight"]
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"manifest": manifest}})
+    llm.collective_rpc("start_weight_update")             # a dead client's update, before this target
     target = VLLMTarget(llm)
     async with Synchronizer(example.SYNC, example.PATCH) as sync:
         trainer = await sync.attach_trainer(model)
         explorer = await sync.attach_explorer("vllm", target)
-        llm.collective_rpc("start_weight_update")         # the dead client's update
+        llm.collective_rpc("start_weight_update")         # another one, after its first write
         with pytest.raises(RuntimeError, match="already active"):
             llm.collective_rpc("start_weight_update")
         await anyio.to_thread.run_sync(example.adamw_step, model, example.optimizer_for(model), 7)
@@ -149,4 +152,19 @@ async def test_an_update_a_dead_client_left_open_is_closed_by_the_next_write(llm
         assert await explorer.sync_weight() == 1
         equal, worst = example.against_hf(await example.outputs(target), model)
         assert equal and worst <= example.TOLERANCE
+    target.close()
+
+
+async def test_a_trainer_that_unties_the_embeddings_is_refused_before_anything_is_written(llm, model_dir):
+    model = example.hf_model(model_dir)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.5)  # untied, and different
+    target = VLLMTarget(llm)
+    before = await example.outputs(target)
+    async with Synchronizer(example.SYNC, example.PATCH) as sync:
+        await sync.attach_trainer(model)
+        with pytest.raises(Exception, match="the trainer's 'lm_head.weight' differs from its "
+                                            "'model.embed_tokens.weight', but the vLLM engine ties them"):
+            await sync.attach_explorer("vllm", target)
+    assert target.version is None and target.statistics().refused == 1
+    assert example.same_outputs(await example.outputs(target), before)  # the engine did not move
     target.close()

@@ -317,12 +317,12 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             self.stats.restores += 1
             self._dirty -= self._undone  # the engine kept these; the shadow holds them again
             self._undone = set()
-        self._follow_ties(written)
         engine_written = {self._aliases.get(k, k) for k in written}
         send = self._layers_of(self._dirty if restoring else engine_written | self._dirty)
         label = self.version if restoring else version
         before = set(self._dirty)
         try:
+            self._follow_ties(written)
             if send:
                 await self._send(send, label)
             elif label is not None and not restoring:
@@ -352,9 +352,10 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             if alias in self._synced_aliases:
                 if (alias in written or source in written) and not torch.equal(self._shadow[alias],
                                                                                 self._shadow[source]):
-                    raise ApplyError(f"the trainer's {alias!r} differs from its {source!r}, but the vLLM engine ties "
-                                     "them (tie_word_embeddings) and can hold only one: tie them in the trainer, or "
-                                     "start the engine from an untied checkpoint. Nothing was written")
+                    raise _Kept(ApplyError(f"the trainer's {alias!r} differs from its {source!r}, but the vLLM "
+                                           "engine ties them (tie_word_embeddings) and can hold only one: tie them "
+                                           "in the trainer, or start the engine from an untied checkpoint. Nothing "
+                                           "was written"))
             elif source in written:
                 self._shadow[alias].copy_(self._shadow[source])
 

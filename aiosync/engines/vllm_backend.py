@@ -29,7 +29,10 @@ computing with its previous weights, ready for the next update.
   after a finish that raised and refuses every later one.
 
 Any ``update_weights`` that raises has changed nothing (vLLM's worker then closes the update
-itself); its message says so. A bucket of an update that was already closed (one that arrived
+itself); its message says so. The commit is where another kind of staged payload would be
+applied (in-place patches in the engine's own parameters, SPEC E3, with a journal of the old
+values at the changed positions for the rollback): the protocol, and the client's transaction
+(:meth:`VLLMTarget._send <aiosync.engines.vllm.VLLMTarget>`), stay as they are. A bucket of an update that was already closed (one that arrived
 after its client gave up on it) is dropped. Only if putting a layer back after a failed load
 fails too does the backend give up: every later update is refused, saying that the engine's
 weights are unknown (:data:`UNKNOWN`).
@@ -162,8 +165,6 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
     # -- vLLM's weight-transfer API ----------------------------------------------------
 
     def init_transfer_engine(self, init_info: AiosyncInitInfo) -> None:
-        if self._update is not None:
-            raise PayloadError("aiosync backend: init_weight_transfer_engine during an open update; finish it first")
         layout = parse_manifest(init_info.manifest)
         checkpoint = self._checkpoint_layout()
         if checkpoint is not None:
@@ -175,6 +176,9 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
             if problem is not None:
                 raise PayloadError(f"aiosync backend: the init manifest does not match the engine's checkpoint: "
                                    f"{problem}. The previous manifest stays")
+        if self._update is not None:  # staged against the previous manifest: never committed now
+            log.warning("aiosync backend: a new manifest discards the open update (%s)", self._update.progress())
+            self._close(self._update)
         self._layout, self._groups = layout, layerwise_groups(list(layout))
 
     def start_weight_update(self) -> None:
