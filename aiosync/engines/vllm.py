@@ -404,6 +404,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         try:
             await self._calls.answer("the relabelling", self._calls.relabel(str(label)))
         except Late as late:
+            late.drop()
             raise _Kept(PeerTimeoutError(f"{late}; the engine keeps version {self.version}")) from None
         except Exception as exc:
             raise self._refused(f"the relabelling to version {label}", exc) from exc
@@ -427,6 +428,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             except ApplyError as exc:
                 raise (self._broken(str(exc)) if calls.dead() else exc) from exc
             except Late as late:  # the pause did not answer
+                late.drop()
                 raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
             except TimeoutError as exc:  # a "wait" drain: the requests in flight did not finish
                 raise _Kept(PeerTimeoutError(f"requests in flight did not finish within {self.timeout}s for the "
@@ -442,6 +444,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         try:
             await calls.answer("init_weight_transfer_engine", calls.init(self._init_info()))
         except Late as late:
+            late.drop()
             raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
         except Exception as exc:
             raise self._refused("the manifest of this target", exc) from exc
@@ -467,12 +470,15 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             await calls.answer(f"the commit of {what}", calls.update({"update_id": update_id, "commit": True}),
                                patience=2)
         except Late as late:
+            late.drop()
             raise self._broken(f"{late}: it may have committed or not") from None
         except Exception as exc:
             raise self._refused(what, exc) from exc
         try:
             await calls.answer("finish_weight_update", calls.finish(None if label is None else str(label), True))
         except (Late, Exception) as exc:
+            if isinstance(exc, Late):
+                exc.drop()
             raise self._broken(f"{what} was committed, but closing it failed: {exc}") from exc
 
     async def _start(self) -> None:
@@ -495,15 +501,12 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         try:
             await self._calls.answer("finish_weight_update (the abort)", self._calls.finish(None, False))
         except Late as again:
+            again.drop()
             raise self._broken(f"{late}, and {again}") from None
         except Exception:  # the late call failed: the engine closed the update itself
             pass
         finally:
-            if late.pending.done():
-                if not late.pending.cancelled():
-                    late.pending.exception()  # retrieved: the abort covers it
-            else:
-                late.pending.cancel()
+            late.drop()  # answered by now, or given up on
 
     # -- generation ----------------------------------------------------------------------
 

@@ -38,6 +38,14 @@ class Late(Exception):
         super().__init__(f"the vLLM engine did not answer {what} within {seconds:g}s")
         self.what, self.seconds, self.pending = what, seconds, pending
 
+    def drop(self) -> None:
+        """Stop waiting for the call (it goes on in the engine): its answer, if it came, is read
+        (so that no error goes unretrieved), or the wait for it is cancelled."""
+        if not self.pending.done():
+            self.pending.cancel()
+        elif not self.pending.cancelled():
+            self.pending.exception()
+
 
 class ResumeFailed(Exception):
     """Generation could not be resumed after a write (the engine may stay paused)."""
@@ -114,6 +122,7 @@ class OfflineCalls(EngineCalls):
         try:
             return await self.answer(getattr(fn, "__name__", str(fn)), self.submit(fn, *args, **kwargs))
         except Late as late:
+            late.drop()
             raise PeerTimeoutError(str(late)) from None
 
     def _rpc(self, method: str, **kwargs: Any) -> asyncio.Future:
@@ -267,6 +276,8 @@ class AsyncCalls(EngineCalls):
                 try:
                     await self.answer("resume_generation", self._task(engine.resume_generation()))
                 except Exception as exc:
+                    if isinstance(exc, Late):
+                        exc.drop()
                     raise ResumeFailed(f"the vLLM engine did not resume generation: {exc}") from exc
 
     async def generate(self, prompts: list[Any], params: Any) -> list[Any]:
