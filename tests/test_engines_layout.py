@@ -89,7 +89,7 @@ def backend(monkeypatch, tmp_path):
 
 
 def buckets(version: int) -> list[dict]:
-    from aiosync.syncers.bucket_format import bucket_manifest, seal_bucket
+    from aiosync.syncers.bucket.format import bucket_manifest, seal_bucket
 
     groups = [[("model.layers.0.q.weight", torch.full((2, 2), float(version))),
                ("model.layers.0.v.weight", torch.ones(2, 2))], [("model.norm.weight", torch.ones(2))]]
@@ -156,7 +156,7 @@ def test_an_uncommitted_update_is_discarded_and_its_late_buckets_dropped(backend
 
 
 def test_a_part_of_a_layer_or_a_damaged_bucket_is_refused_before_anything_is_loaded(backend):
-    from aiosync.syncers.bucket_format import bucket_manifest, seal_bucket
+    from aiosync.syncers.bucket.format import bucket_manifest, seal_bucket
 
     backend.init_transfer_engine(backend.init_info_cls(manifest=[["model.layers.0.q.weight", [2, 2], "float32"],
                                                                   ["model.layers.0.v.weight", [2, 2], "float32"]]))

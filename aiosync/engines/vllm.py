@@ -54,7 +54,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
-from ..syncers.bucket_format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
+from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
 from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
 from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
 from .vllm_plugin import BACKEND, BACKENDS

@@ -15,7 +15,7 @@ computing with its previous weights, ready for the next update.
 * ``update_weights(update_info={"bucket": {...}, "update_id": id})`` (in-process engines: the
   tensors by reference) or ``{"bucket_bytes": b"...", "update_id": id}`` (another process: the
   bucket as safetensors bytes) — one **aiosync bucket** (version, index and count, the manifest
-  in the first; see :class:`~aiosync.syncers.bucket_format.BucketReader`), validated whole and
+  in the first; see :class:`~aiosync.syncers.bucket.format.BucketReader`), validated whole and
   *staged*. Nothing in the model changes.
 * ``update_weights(update_info={"commit": True, "update_id": id})`` — the commit: every
   announced bucket must have arrived, and every layer the update touches must be whole (vLLM
@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ..dtypes import dtype_from_name
 from ..errors import ApplyError, PayloadError
-from ..syncers.bucket_format import META_PREFIX, BucketReader
+from ..syncers.bucket.format import META_PREFIX, BucketReader
 from .layout import (TIED_OUTPUT, TensorSpec, checkpoint_layout, incomplete_group, layout_problem, spec_of,
                      tied_aliases)
 from .vllm_reload import ReloadRestoreError, load_layers

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..syncers.bucket_format import BUCKET_KEY, META_PREFIX, VERSION_KEY
+from ..syncers.bucket.format import BUCKET_KEY, META_PREFIX, VERSION_KEY
 from .vllm_backend import AiosyncUpdateInfo, AiosyncWeightTransferEngine, _Update
 
 #: The environment variable naming the plan file.
