@@ -12,7 +12,7 @@ line to ``<plan>.fired`` (:meth:`FaultPlan.fired`), so a test can tell it really
 * ``load_raises`` — the model's weight loader raises when it reaches the first tensor of bucket
   ``i`` of version ``v``: the layers of the buckets before it are already processed and must be
   put back.
-* ``refused_bucket`` — bucket ``i`` arrives damaged (its first tensor one row short): the
+* ``refused_bucket`` — bucket ``i`` arrives damaged (its first tensor by name one row short): the
   backend's validation refuses it.
 * ``missing_bucket`` — bucket ``i`` never arrives (dropped on arrival).
 * ``late_bucket`` — bucket ``i`` arrives ``delay_s`` seconds late (set it past the client's
@@ -107,7 +107,7 @@ class FaultyWeightTransferEngine(AiosyncWeightTransferEngine):
             time.sleep(float(self._plan.get("delay_s", 0.0)))
         if self._fires("refused_bucket", version, index):
             payload = dict(payload)  # in-process buckets are the client's: damage a copy
-            name = next(k for k in payload if not k.startswith(META_PREFIX))
+            name = min(k for k in payload if not k.startswith(META_PREFIX))
             payload[name] = payload[name][:-1]
         return payload
 
