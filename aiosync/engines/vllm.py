@@ -42,8 +42,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +240,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         self._undone: set[str] = set()  # keys of a refused write: equal again once the shadow is rolled back
         self._synced_aliases: set[str] = set()
         self._initialized = False
-        self._nonce, self._update_ids = f"{os.getpid():x}.{id(self):x}", itertools.count()
+        self._nonce, self._update_ids = uuid.uuid4().hex[:12], itertools.count()  # update ids unique per engine
         calls = OfflineCalls if self.kind == "llm" else AsyncCalls
         self._calls = calls(engine, pause_mode, clear_cache, timeout)
 
