@@ -165,3 +165,17 @@ def load_example(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def dead(directory) -> None:
+    """Make the hold of ``directory`` (a CheckpointDir's path, or one) look like its run's process
+    died: its pid becomes the pid of a child process that has exited."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    for path in Path(getattr(directory, "path", directory)).glob(".hold-*.json"):
+        fields = json.loads(path.read_text())
+        path.write_text(json.dumps(fields | {"pid": child.pid, "start": ""}))
