@@ -304,8 +304,7 @@ class CheckpointDir:
             self.hold(writer)
         except OSError as exc:
             raise self._write_error(version, exc) from exc
-        newest = self.newest_version()
-        floor = max(self._holder.floor, self._last, -1 if newest is None else newest)
+        floor = max(self._holder.floor, self._last)
         if version <= floor:
             raise VersionError(
                 f"cannot publish checkpoint version {version} in {self.path}: it is not above the newest "
