@@ -80,11 +80,11 @@ class SynchronizerConfig:
     liveness_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        try:
-            self.method = SyncMethod.parse(self.method)
-            self.style = SyncStyle.parse(self.style)
-        except ValueError as exc:
-            raise ConfigError(f"synchronizer: {exc}") from None
+        for name, enum in (("method", SyncMethod), ("style", SyncStyle)):
+            try:
+                setattr(self, name, enum.parse(getattr(self, name)))
+            except ValueError as exc:
+                raise ConfigError(f"synchronizer.{name}: {exc}") from None
         if isinstance(self.checkpoint_dir, os.PathLike):
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
         check_types(self, "synchronizer", skip=("method", "style"))
