@@ -209,6 +209,19 @@ class CheckpointDir:
             self._join(rank, world)
         return self.run_id
 
+    def release(self) -> None:
+        """The run ended: mark its hold released. Its files stay the directory's versions for
+        readers; the next run takes the directory over without waiting for this process to end.
+        A later :meth:`publish` of this handle holds the directory again (if no run took it)."""
+        if self._holder is None or self._holder.rank != 0:
+            return
+        path = self.path / hold.hold_name(self._gen)
+        _, cur, _ = hold.current(self.path)
+        if cur is not None and cur.token == self._holder.token:
+            with contextlib.suppress(OSError):
+                hold.release(path, self._holder)
+        self._holder = None
+
     def _take(self, world: int) -> None:
         for _ in range(100):
             holds = hold.scan(self.path)
@@ -335,9 +348,9 @@ class CheckpointDir:
                 os.unlink(tmp)
         _fsync_dir(self.path)
         self._last = max(self._last, version)
-        newest = self.newest_version()
+        newest = self.newest_version()  # complete (all shards in); never above what this run published
         if newest is not None:
-            self.remove_superseded(newest)
+            self.remove_superseded(min(newest, version))
         return final
 
     def _write_error(self, version: int, exc: OSError) -> CheckpointWriteError:

@@ -161,9 +161,10 @@ def regular_file(path: Path):
         if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symbolic link
             raise PayloadError(f"checkpoint {path} is a symbolic link; refusing to follow it") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PayloadError(f"checkpoint {path} is not a regular file; refusing it")
     with os.fdopen(fd, "rb", buffering=0) as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise PayloadError(f"checkpoint {path} is not a regular file; refusing it")
         yield fh
 
 

@@ -75,6 +75,8 @@ class Holder:
     rank: int = 0
     floor: int = -1
     created: float = 0.0
+    #: The run ended and handed the directory on: its files stay readable, any run may take it over.
+    released: bool = False
 
     @classmethod
     def me(cls, run: str, writers: int, rank: int, floor: int) -> Holder:
@@ -89,6 +91,8 @@ class Holder:
 
     def gone(self, heartbeat: float | None, stale_after: float) -> bool:
         """Whether the holder is gone (the documented rule above)."""
+        if self.released:
+            return True
         if self.host == socket.gethostname() and self.boot == _boot_id():
             return not _alive(self.pid, self.start)
         if self.host == socket.gethostname() and self.boot and _boot_id() and self.boot != _boot_id():
@@ -157,6 +161,14 @@ def current(directory: Path, holds: dict[tuple[int, int], Path] | None = None
             return gen, None, holds[(gen, 0)].stat().st_mtime
         return gen, None, None
     return gen, got[0], got[1]
+
+
+def release(path: Path, holder: Holder) -> None:
+    """Mark ``holder``'s hold file released (rewritten whole under a temporary name, then renamed
+    over its own file)."""
+    tmp = path.with_name(f".release-{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(asdict(holder) | {"released": True}))
+    os.replace(tmp, path)
 
 
 def touch(path: Path) -> None:

@@ -234,6 +234,11 @@ class CheckpointSource(Source):
         self._emit("published", version)
         return self.latest
 
+    def stop(self) -> None:
+        """The trainer stopped: its run releases the directory's hold (its files stay readable)."""
+        super().stop()
+        self.directory.release()  # rewrites one small file
+
     async def _wait_complete(self, version: int) -> None:
         """Wait until the shards of every writer of ``version`` are in. The other writers are
         other processes, so the directory is looked at again and again (every 10 ms at first,
