@@ -22,7 +22,8 @@ from aiosync.checkpoints import CheckpointDir, TensorSlice
 from aiosync.coordination import CheckpointFollower, Synchronizer
 from aiosync.errors import ChecksumError, CheckpointHeldError, CheckpointWriteError, PayloadError
 
-from helpers import HANG_GUARD, PATCH, dead, holds, rollout_model, same_bits, train_to, trainer_state, weights
+from helpers import (HANG_GUARD, PATCH, dead, holds, rollout_model, same_bits, train_to, trainer_state,
+                     two_writer_synchronizer, weights)
 
 
 def _files(path) -> list[str]:
@@ -221,14 +222,7 @@ async def test_two_writers_with_tensor_slice_shards_serve_explorers(tmp_path):
     full = weights(0)
     rows = {r: full["w"][12 * r: 12 * r + 12] for r in (0, 1)}
     mine = {"w": TensorSlice(rows[0], (0, 0), (24, 16)), "b": full["b"], "stamp": full["stamp"]}
-    other = CheckpointDir(tmp_path, run_id="run")
-    cfg = dict(method="checkpoint", checkpoint_dir=str(tmp_path), checkpoint_writers=2, style="trainer_driven",
-               sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
-    with anyio.fail_after(HANG_GUARD * 2):
-        async with Synchronizer(cfg, PATCH) as sync:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: sync.attach_trainer(mine, writer_rank=0, run_id="run"))
-                await run_sync(other.publish, {"w": TensorSlice(rows[1], (12, 0), (24, 16))}, 0, writer=(1, 2))
-            ex = await sync.attach_explorer("e0", rollout_model())
-            assert ex.version == 0 and holds(ex.slot.model, 0)
-            await sync.trainer.stop()
+    async with two_writer_synchronizer(tmp_path, mine, {"w": TensorSlice(rows[1], (12, 0), (24, 16))}) as (sync, _):
+        ex = await sync.attach_explorer("e0", rollout_model())
+        assert ex.version == 0 and holds(ex.slot.model, 0)
+        await sync.trainer.stop()

@@ -253,41 +253,33 @@ def test_names_that_only_look_like_checkpoints_are_ignored(tmp_path):
 async def test_the_synchronizer_publishes_a_version_only_when_every_writer_wrote_its_shard(tmp_path):
     import anyio
 
-    from aiosync.coordination import Synchronizer
-    from helpers import HANG_GUARD, PATCH, holds, train_to, trainer_state
+    from helpers import HANG_GUARD, holds, train_to, trainer_state, two_writer_synchronizer
 
     state = trainer_state()
-    other = CheckpointDir(tmp_path, run_id="run")  # the other trainer rank, writer 1 (plain tensors: writer 0's)
-    cfg = dict(method="checkpoint", checkpoint_dir=str(tmp_path), checkpoint_writers=2, style="trainer_driven",
-               sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
-    with anyio.fail_after(HANG_GUARD * 2):
-        async with Synchronizer(cfg, PATCH) as sync:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: sync.attach_trainer(state, writer_rank=0, run_id="run"))
-                await run_sync(other.publish, {}, 0, writer=(1, 2))  # version 0, writer 1 (joins writer 0's hold)
-            trainer = sync.trainer
-            ex = await sync.attach_explorer("e0", rollout_model())
-            train_to(state, 1)
-            done = anyio.Event()
+    async with two_writer_synchronizer(tmp_path, state, {}) as (sync, other):  # writer 1: plain tensors are writer 0's
+        trainer = sync.trainer
+        ex = await sync.attach_explorer("e0", rollout_model())
+        train_to(state, 1)
+        done = anyio.Event()
 
-            async def publish_1():
-                await trainer.sync_weight(1)
-                done.set()
+        async def publish_1():
+            await trainer.sync_weight(1)
+            done.set()
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(publish_1)
-                with anyio.fail_after(HANG_GUARD):
-                    while not (tmp_path / "sync-000000000001.run.w00000-of-00002.safetensors").exists():
-                        await anyio.sleep(0.01)  # writer 0's shard is on disk, the version is not published
-                assert not done.is_set() and other.newest_version() == 0 and trainer.version == 0
-                other.publish({}, 1, writer=(1, 2))
-                await done.wait()
-            assert trainer.version == 1 and other.newest_version() == 1
-            assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
-            other.publish({}, 2, writer=(1, 2))
-            train_to(state, 2)
-            await trainer.sync_weight(2)  # writer 1's shard is already in: published at once
-            await trainer.stop()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish_1)
+            with anyio.fail_after(HANG_GUARD):
+                while not (tmp_path / "sync-000000000001.run.w00000-of-00002.safetensors").exists():
+                    await anyio.sleep(0.01)  # writer 0's shard is on disk, the version is not published
+            assert not done.is_set() and other.newest_version() == 0 and trainer.version == 0
+            other.publish({}, 1, writer=(1, 2))
+            await done.wait()
+        assert trainer.version == 1 and other.newest_version() == 1
+        assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
+        other.publish({}, 2, writer=(1, 2))
+        train_to(state, 2)
+        await trainer.sync_weight(2)  # writer 1's shard is already in: published at once
+        await trainer.stop()
     assert ex.version == 2 and holds(ex.slot.model, 2)
 
 
