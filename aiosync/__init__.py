@@ -43,7 +43,7 @@ _EXPORTS = {
     "StagedWrite": "aiosync.syncers", "CommitTarget": "aiosync.syncers", "as_coo_2d_view": "aiosync.syncers", "delta_encode": "aiosync.syncers",
     "delta_decode": "aiosync.syncers", "downscale_nonnegative_indices": "aiosync.syncers",
     "collect_param_names_need_sync": "aiosync.syncers", "iter_named_tensor_buckets": "aiosync.syncers",
-    "gather_full_state": "aiosync.syncers", "warm_up": "aiosync.syncers.kernels_warmup",
+    "gather_full_state": "aiosync.syncers", "warm_up": "aiosync.syncers.kernels.warmup",
     "Transport": "aiosync.transports", "InProcTransport": "aiosync.transports", "inproc_pair": "aiosync.transports",
     "SimulatedTransport": "aiosync.transports", "simulated_pair": "aiosync.transports",
     "FaultProfile": "aiosync.transports", "DistributedTransport": "aiosync.transports",

@@ -6,7 +6,7 @@ Everything above imports this module; it imports nothing of aiosync but :mod:`ai
   anything that provides them (:class:`aiosync.transports.Transport`).
 * :func:`message` — a class decorator that registers a dataclass as a *message type*: only
   registered dataclasses are rebuilt by a receiving process (never pickle), so a peer cannot
-  make this process run code. The syncers' payloads (:mod:`aiosync.syncers.payloads`) and
+  make this process run code. The syncers' payloads (:mod:`aiosync.syncers.common.payloads`) and
   the explorer protocol (:mod:`aiosync.coordination.protocol`) register theirs here; register
   the messages of a custom syncer the same way.
 * :func:`message_type` — resolve a registered name on the receiving side. aiosync's own
@@ -31,7 +31,7 @@ _REGISTRY: dict[str, type] = {}
 
 #: aiosync's own modules that define message types; a name from one of them is importable on
 #: demand (and only from these: a peer's message never makes this process import anything else).
-_OWN_MESSAGE_MODULES = ("aiosync.syncers.payloads", "aiosync.coordination.protocol")
+_OWN_MESSAGE_MODULES = ("aiosync.syncers.common.payloads", "aiosync.coordination.protocol")
 
 
 def type_name(cls: type) -> str:

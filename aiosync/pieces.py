@@ -4,7 +4,7 @@ A DTensor (an FSDP2 shard) contributes its local shard — the block of the full
 offset its placement gives it, one replica of a replicated one, nothing when the block is
 empty; a :class:`TensorSlice` is such a block given by hand (any other layout); a plain tensor
 counts as replicated and belongs to rank 0. Used by the CHECKPOINT method's writers
-(:mod:`aiosync.checkpoints`) and by shard-local patches (:mod:`aiosync.syncers.shards`).
+(:mod:`aiosync.checkpoints`) and by shard-local patches (:mod:`aiosync.syncers.patch.shards`).
 Imports nothing of aiosync; DTensor support is imported only when a DTensor is met.
 """
 

@@ -27,8 +27,8 @@ import json
 
 import torch
 
-from aiosync.syncers import snapshot_cuda
-from aiosync.syncers.snapshot import Snapshot
+from aiosync.syncers.snapshot import cuda as snapshot_cuda
+from aiosync.syncers.snapshot.builder import Snapshot
 
 
 def copy_bandwidth(nbytes: int) -> float:

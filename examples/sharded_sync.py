@@ -47,8 +47,8 @@ from torch import nn
 from aiosync.coordination import Synchronizer
 from aiosync.coordination.shards import SHARD_TAG, ShardPeer
 from aiosync.syncers import gather_full_state
-from aiosync.syncers.shard_layout import shard_layout
-from aiosync.syncers.state_dicts import collect_param_names_need_sync, gathered_bytes
+from aiosync.syncers.patch.shard_layout import shard_layout
+from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
 from aiosync.transports.distributed import WeightSyncGroup
 
 

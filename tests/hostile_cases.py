@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from aiosync.errors import AiosyncError  # noqa: E402
 from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer  # noqa: E402
-from aiosync.syncers.payloads import CompressedWeightPatch, WeightPatch  # noqa: E402
+from aiosync.syncers.common.payloads import CompressedWeightPatch, WeightPatch  # noqa: E402
 from aiosync.transports.inproc import inproc_pair  # noqa: E402
 from helpers import recv_from  # noqa: E402,F401 - also used by test_fuzz through this module
 
@@ -398,7 +398,7 @@ def fuzz_frames(n: int, seed: int) -> dict:
 
 def fuzz_handshakes(n: int, seed: int) -> dict:
     """Receiver metadata with fields of the wrong type or out of range, against a sender."""
-    from aiosync.syncers.payloads import ReceiverMetadata, SenderHello
+    from aiosync.syncers.common.payloads import ReceiverMetadata, SenderHello
 
     rng = random.Random(seed)
     meta = genuine_handshake()[0][0]

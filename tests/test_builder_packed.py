@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aiosync.syncers import snapshot_cuda
-from aiosync.syncers.snapshot import Snapshot
+from aiosync.syncers.snapshot import cuda as snapshot_cuda
+from aiosync.syncers.snapshot.builder import Snapshot
 from helpers import bits
 
 EDGE = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0x7FA5A5A5, 0x7F800000, 0xFF800000, 0x00000000,
@@ -141,7 +141,7 @@ INTERPRETED = textwrap.dedent("""
     import torch
     sys.path.insert(0, sys.argv[1])
     from test_builder_packed import edge_floats
-    from aiosync.syncers import snapshot_cuda, snapshot_triton
+    from aiosync.syncers.snapshot import cuda as snapshot_cuda, triton as snapshot_triton
     g = torch.Generator().manual_seed(1)
     assert snapshot_cuda.self_check(torch.device("cpu"))
     import warnings
@@ -192,7 +192,7 @@ def test_the_fused_kernels_compile_for_a_hopper_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from aiosync.syncers import snapshot_triton as st
+    from aiosync.syncers.snapshot import triton as st
 
     ptr = {"tile_member": "*i32", "members": "*i64", "words": "*i32", "counts": "*i32"}
     gather = {**ptr, "ends": "*i64", "out_pos": "*i64", "out_new": "*i16", "out_old": "*i16"}

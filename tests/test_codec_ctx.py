@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiosync.errors import DriftError, PayloadError
-from aiosync.syncers import WeightPatch, rans
-from aiosync.syncers import kernels_ctx as kc
-from aiosync.syncers.patch_ctx import _split_bins, ctx_format
+from aiosync.syncers import WeightPatch
+from aiosync.syncers.kernels import rans
+from aiosync.syncers.kernels import ctx as kc
+from aiosync.syncers.patch.ctx.encode import _split_bins, ctx_format
 from codec_cases import assert_same_bits, change, connect
 from helpers import bits
 

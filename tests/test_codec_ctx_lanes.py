@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from aiosync.errors import PayloadError
-from aiosync.syncers import kernels_ctx as kc
-from aiosync.syncers import kernels_ctx_coder as kcc
-from aiosync.syncers.patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
-from aiosync.syncers.patch_ctx_decode import _ints
-from aiosync.syncers.rans import NSYM, decoder_tables, encoder_tables
+from aiosync.syncers.kernels import ctx as kc
+from aiosync.syncers.kernels import ctx_coder as kcc
+from aiosync.syncers.kernels.ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
+from aiosync.syncers.patch.ctx.decode import _ints
+from aiosync.syncers.kernels.rans import NSYM, decoder_tables, encoder_tables
 from codec_cases import assert_same_bits, change, connect
 from helpers import bits
 
@@ -145,7 +145,7 @@ async def test_a_patch_with_lanes_round_trips_and_its_header_lists_every_stream(
 
 
 async def test_malformed_lane_lengths_in_the_header_are_refused_and_nothing_is_written():
-    from aiosync.syncers.patch_ctx import varints
+    from aiosync.syncers.patch.ctx.encode import varints
 
     src, dst, r, patch = await _lane_patch()
     ints, nnz, w, start = _segment_entries(patch)

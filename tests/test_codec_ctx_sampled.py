@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from aiosync.syncers import kernels_ctx as kc
-from aiosync.syncers.kernels import GROUP_BLOCKS
-from aiosync.syncers.patch_ctx import N_CONTEXTS, WIDTH_SLOT, _context_rows, build_tables
-from aiosync.syncers.rans import NSYM, symbol_of
+from aiosync.syncers.kernels import ctx as kc
+from aiosync.syncers.kernels.flat import GROUP_BLOCKS
+from aiosync.syncers.kernels.ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
+from aiosync.syncers.kernels.ctx import _context_rows
+from aiosync.syncers.kernels.rans import NSYM, symbol_of
 from codec_cases import assert_same_bits, connect, make_state, mutate
 
 GROUP = GROUP_BLOCKS * 64  # elements per group of blocks
@@ -89,7 +90,7 @@ async def test_changes_the_sample_missed_round_trip_bit_exact(monkeypatch):
     s, r, a, b = await connect(src, dst, "ctx", False, "none")
     seen = []
     real = build_tables
-    monkeypatch.setattr("aiosync.syncers.patch_ctx.build_tables", lambda h, c=frozenset(): seen.append((sum(h), c))
+    monkeypatch.setattr("aiosync.syncers.patch.ctx.encode.build_tables", lambda h, c=frozenset(): seen.append((sum(h), c))
                         or real(h, c))
     for step in range(3):
         _step(src["w"], step, rare_at=GROUP + 5)  # group 1: never in the sample

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from aiosync.errors import PayloadError
-from aiosync.syncers import kernels
-from aiosync.syncers.integrity import drift_hash
-from aiosync.syncers.patch_format import TensorLayout, encode_patch, unzigzag_apply, varint_decode, varint_encode, \
-    zigzag_delta
-from aiosync.syncers.snapshot import Snapshot
+from aiosync.syncers.kernels import flat as kernels
+from aiosync.syncers.common.integrity import drift_hash
+from aiosync.syncers.patch.format import (TensorLayout, encode_patch, unzigzag_apply, varint_decode, varint_encode,
+    zigzag_delta)
+from aiosync.syncers.snapshot.builder import Snapshot
 from codec_cases import change, expected_flat_values, zigzag_code_values
 from helpers import bits
 
@@ -176,7 +176,7 @@ def test_fused_flat_builder_matches_torch_reference(snap_dtype):
 
 def test_encode_patch_flat_numba_matches_torch_on_meta_positions():
     """The CPU (numba) flat encoder and the torch varint/zigzag path give the same bytes."""
-    from aiosync.syncers.snapshot import TensorDiff
+    from aiosync.syncers.snapshot.builder import TensorDiff
 
     g = torch.Generator().manual_seed(5)
     pos = torch.tensor([0, 3, 200, 201, 5000], dtype=torch.int64)
@@ -239,8 +239,8 @@ def test_zigzag_round_trip_other_widths_and_numba_agrees(dtype):
 @pytest.mark.parametrize("width_dtype", [torch.int16, torch.int32, torch.int64, torch.uint8])
 def test_flat_torch_encoder_matches_numba_encoder(monkeypatch, width_dtype):
     """The torch flat encoder (the one CUDA diffs take) emits the same bytes as the numba one."""
-    from aiosync.syncers import patch_format
-    from aiosync.syncers.snapshot import TensorDiff
+    from aiosync.syncers.patch import format as patch_format
+    from aiosync.syncers.snapshot.builder import TensorDiff
 
     g = torch.Generator().manual_seed(6)
     w = torch.empty((), dtype=width_dtype).element_size()
@@ -274,8 +274,8 @@ def test_flat_values_nibbles_and_escapes_byte_exact(monkeypatch, dtype, torch_pa
     """Codes 1..14 travel as nibbles, 15 and up escape whole; odd counts pad with a zero nibble.
     Both encoders emit the reference bytes, and decoding (numba and torch escape counting)
     gives the new bits back."""
-    from aiosync.syncers import patch_format
-    from aiosync.syncers.snapshot import TensorDiff
+    from aiosync.syncers.patch import format as patch_format
+    from aiosync.syncers.snapshot.builder import TensorDiff
 
     w = torch.empty((), dtype=dtype).element_size()
     top = 255 if dtype == torch.uint8 else 2 ** (8 * w - 1) - 1
@@ -313,8 +313,8 @@ def test_flat_values_nibbles_and_escapes_byte_exact(monkeypatch, dtype, torch_pa
 def test_flat_values_malformed_nibbles_are_refused():
     """A nibble flipped to the escape (or away from it) changes how many exception bytes the
     stream must hold; a non-zero padding nibble is malformed too. Each is a PayloadError."""
-    from aiosync.syncers import patch_format
-    from aiosync.syncers.snapshot import TensorDiff
+    from aiosync.syncers.patch import format as patch_format
+    from aiosync.syncers.snapshot.builder import TensorDiff
 
     layouts = {0: TensorLayout(0, 1, 100, 2)}
     old = torch.tensor([10, 10, 10], dtype=torch.int16)
@@ -353,7 +353,7 @@ def test_count_escapes_matches_a_plain_count_at_every_nibble_alignment():
 def test_the_flat_writer_decodes_what_the_encoder_wrote_and_its_journal_undoes_it(dt):
     """The receiver's numba writer reads positions straight from the gap stream, writes the
     coded values, journals and hashes what it overwrote; restoring the journal undoes it."""
-    from aiosync.syncers import kernels_write
+    from aiosync.syncers.kernels import write as kernels_write
 
     rng = np.random.default_rng(2)
     n = 5000

@@ -29,7 +29,7 @@ from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget, output_versions  # noqa: E402
 from aiosync.engines.vllm_backend import AiosyncWeightTransferEngine  # noqa: E402
 from aiosync.errors import ConfigError, VersionError  # noqa: E402
-from aiosync.syncers.bucket_format import BUCKET_KEY, VERSION_KEY  # noqa: E402
+from aiosync.syncers.bucket.format import BUCKET_KEY, VERSION_KEY  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.transports.simulated import simulated_pair  # noqa: E402
 from helpers import HANG_GUARD  # noqa: E402

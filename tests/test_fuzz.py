@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from aiosync.syncers import BucketWeightSyncer, PatchWeightSyncer
 from aiosync.errors import AiosyncError, PeerTimeoutError
-from aiosync.syncers.integrity import bucket_checksum
-from aiosync.syncers.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
-                                      WeightPatch)
+from aiosync.syncers.common.integrity import bucket_checksum
+from aiosync.syncers.common.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello,
+    WeightPatch)
 import hostile_cases as hc
 from helpers import bits
 from hostile_cases import receiver_model, recv_from, state

@@ -15,7 +15,7 @@ from torch import nn
 from aiosync.syncers import (BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, WeightPatch,
                              collect_param_names_need_sync)
 from aiosync.transports.inproc import inproc_pair
-from aiosync.syncers.snapshot import Snapshot
+from aiosync.syncers.snapshot.builder import Snapshot
 from helpers import bits
 
 pytestmark = [
@@ -407,7 +407,7 @@ def _edge_and_random(n: int, seed: int) -> torch.Tensor:
                                                   (torch.int64, torch.int64), (torch.bool, torch.bool)])
 def test_the_fused_builder_equals_the_torch_ops_bit_for_bit(src_dtype, snap_dtype):
     pytest.importorskip("triton", reason="triton is not installed")
-    from aiosync.syncers import snapshot_cuda
+    from aiosync.syncers.snapshot import cuda as snapshot_cuda
 
     assert snapshot_cuda.fused_ok(torch.device(DEV, torch.cuda.current_device()))  # compiled, self-checked
 

@@ -139,7 +139,7 @@ def test_a_bare_cuda_device_is_the_callers_not_device_0(fake_cuda):
     assert resolve_device("cuda") == torch.device("cuda", 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cpu") == torch.device("cpu")
     from aiosync.syncers import BucketWeightSyncer
-    from aiosync.syncers.snapshot import Snapshot
+    from aiosync.syncers.snapshot.builder import Snapshot
 
     assert Snapshot("cuda").device == torch.device("cuda", 1)
     assert BucketWeightSyncer(bucket_device="cuda")._device == torch.device("cuda", 1)
@@ -175,7 +175,7 @@ def test_a_write_records_an_event_after_it_and_waits_before_the_version_commits(
 # ------------------------------------------------------------------ item 4: the pinned snapshot
 
 def test_the_pinned_snapshot_is_one_block_of_exactly_its_size(monkeypatch):
-    from aiosync.syncers import snapshot
+    from aiosync.syncers.snapshot import builder as snapshot
 
     calls = []
 
@@ -252,8 +252,8 @@ def test_the_first_nccl_post_to_a_peer_runs_off_the_event_loop(monkeypatch):
 def test_the_torch_builder_needs_two_host_syncs_per_group_not_per_tensor(monkeypatch):
     """Item 5 on CPU (``builder_kernel: torch`` runs the CUDA algorithm): 64 small tensors, each
     changed, cost one ``nonzero`` for the whole build (each is a host sync on a GPU)."""
-    from aiosync.syncers import snapshot_cuda
-    from aiosync.syncers.snapshot import Snapshot
+    from aiosync.syncers.snapshot import cuda as snapshot_cuda
+    from aiosync.syncers.snapshot.builder import Snapshot
 
     tensors = [torch.randn(100 + i) for i in range(64)]
     snap = Snapshot("cpu", kernel="torch")

@@ -18,11 +18,12 @@ import torch
 import hostile_cases as hc
 from aiosync.errors import (AiosyncError, ConfigError, HandshakeError, MessageError, PayloadError,
                             PeerTimeoutError)
-from aiosync.syncers import PatchWeightSyncer, patch_format
+from aiosync.syncers import PatchWeightSyncer
+from aiosync.syncers.patch import format as patch_format
 from aiosync.syncers.config import BucketConfig, PatchConfig
-from aiosync.syncers.kernels import varint_bytes
-from aiosync.syncers.patch_format import TensorLayout, decode_patch
-from aiosync.syncers.payloads import SenderHello, WeightPatch
+from aiosync.syncers.kernels.flat import varint_bytes
+from aiosync.syncers.patch.format import TensorLayout, decode_patch
+from aiosync.syncers.common.payloads import SenderHello, WeightPatch
 
 HERE = Path(__file__).resolve().parent
 
@@ -105,7 +106,7 @@ def test_gaps_that_wrap_int64_around_are_refused_on_every_decode_path(monkeypatc
 
 
 def test_ctx_class_counts_that_wrap_int64_around_are_refused_before_the_kernel(monkeypatch):
-    from aiosync.syncers import kernels_ctx_coder
+    from aiosync.syncers.kernels import ctx_coder as kernels_ctx_coder
 
     r, dst0, patch, _ = hc.prepared_patch("ctx", "none")
 
@@ -113,8 +114,8 @@ def test_ctx_class_counts_that_wrap_int64_around_are_refused_before_the_kernel(m
         raise AssertionError("the decode kernel was reached with class counts that do not add up")
 
     monkeypatch.setattr(kernels_ctx_coder, "decode_segment", kernel_reached)
-    from aiosync.syncers.patch_ctx import varints
-    from aiosync.syncers.patch_ctx_decode import _ints
+    from aiosync.syncers.patch.ctx.encode import varints
+    from aiosync.syncers.patch.ctx.decode import _ints
 
     ints = _ints(patch.values)
     n0 = int(patch.nnz_per_tensor[0])
@@ -238,7 +239,7 @@ def test_a_metadata_session_of_the_wrong_type_or_range_is_refused_before_ok(sess
 
 @pytest.mark.parametrize("session", [torch.tensor([1, 2]), 2**70, "x"])
 def test_a_sender_answer_with_a_session_of_the_wrong_type_is_a_handshake_error(session):
-    from aiosync.syncers.patch_handshake import check_hello
+    from aiosync.syncers.patch.handshake import check_hello
 
     with pytest.raises(HandshakeError):
         check_hello(SenderHello(ok=True, session=session), 3, 12345)

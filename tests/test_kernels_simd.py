@@ -1,4 +1,4 @@
-"""The vector block masks of the numba kernels (aiosync/syncers/kernels_simd.py) against numpy,
+"""The vector block masks of the numba kernels (aiosync/syncers/kernels/simd.py) against numpy,
 for every element width, the fused fp32 → bf16 compare on edge values, and prefetches past the
 end of an array."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiosync.syncers.kernels_simd import change_mask, ge_mask, prefetch_block
+from aiosync.syncers.kernels.simd import change_mask, ge_mask, prefetch_block
 
 UINTS = [np.uint8, np.uint16, np.uint32, np.uint64]
 

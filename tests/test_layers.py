@@ -126,6 +126,69 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+#: The sub-packages of ``aiosync.syncers``, lowest first: each may import only those before it
+#: (and the syncers' top level, ``base`` / ``config``, and the bottom layer). ``patch.ctx`` is part
+#: of ``patch``.
+SYNCER_FAMILIES = ["kernels", "common", "snapshot", "bucket", "patch"]
+#: What each family may import of aiosync outside ``aiosync.syncers`` (the kernels: nothing at all).
+SYNCER_OUTSIDE = {"kernels": set(), "common": {"errors", "messages", "aio", "dtypes", "pieces", "_strict"}}
+SYNCERS_TOP = 10  # entries at the top of aiosync/syncers (modules and sub-packages)
+
+
+def _family(module: str) -> str | None:
+    """The syncer family of ``module`` (``"top"`` for aiosync.syncers' own modules), or None."""
+    parts = module.split(".")
+    if parts[:2] != ["aiosync", "syncers"]:
+        return None
+    if len(parts) == 2 or (PACKAGE / "syncers" / f"{parts[2]}.py").exists():
+        return "top"
+    return parts[2]
+
+
+def test_syncer_families_import_only_those_below_them():
+    """kernels import no syncer, formats import no transport, a family imports only the families
+    below it: the sub-packages of ``aiosync.syncers`` form a chain with no cycle between them."""
+    wrong = []
+    for module, deps in _graph().items():
+        fam = _family(module)
+        if fam is None:
+            continue
+        for dep in deps:
+            if _part(dep) == "transports":
+                wrong.append(f"{module} imports {dep} (syncers see only send/recv)")
+            dfam = _family(dep)
+            if fam in SYNCER_OUTSIDE and dfam is None and _part(dep) not in SYNCER_OUTSIDE[fam]:
+                wrong.append(f"{module} imports {dep}")
+            if dfam is None or dfam == fam or fam == "top" and dep.rpartition(".")[0] == "aiosync.syncers":
+                continue
+            if fam == "top":
+                # the top level's own modules import no family (only the package's __init__ and the
+                # test-only faults re-export what lies below)
+                if module not in ("aiosync.syncers", "aiosync.syncers.faults"):
+                    wrong.append(f"{module} imports {dep}")
+                continue
+            if dfam == "top":
+                if fam == "kernels":
+                    wrong.append(f"{module} imports {dep} (kernels import no syncer)")
+                continue
+            if SYNCER_FAMILIES.index(dfam) > SYNCER_FAMILIES.index(fam):
+                wrong.append(f"{module} imports {dep} ({dfam} lies above {fam})")
+    assert not wrong, "imports against the syncers' families:\n" + "\n".join(sorted(wrong))
+
+
+def test_syncers_top_level_is_small_and_documented():
+    entries = sorted(p.name for p in (PACKAGE / "syncers").iterdir()
+                     if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    assert len(entries) <= SYNCERS_TOP, entries
+    families = sorted(p.name for p in (PACKAGE / "syncers").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert families == sorted(SYNCER_FAMILIES), families
+    for init in (PACKAGE / "syncers").rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init} has no docstring saying what lives there"
+        if init.parent.name in SYNCER_FAMILIES:
+            assert "May import" in doc, f"{init}'s docstring does not say what it may import"
+
+
 def test_no_package_file_is_over_600_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}
@@ -134,13 +197,13 @@ def test_no_package_file_is_over_600_lines():
 
 def test_import_aiosync_is_cheap_and_lazy():
     code = ("import sys, time; t = time.perf_counter(); import aiosync; dt = time.perf_counter() - t; "
-            "heavy = [m for m in ('torch.distributed', 'numba', 'aiosync.syncers.kernels', 'aiosync.coordination', "
+            "heavy = [m for m in ('torch.distributed', 'numba', 'aiosync.syncers.kernels.flat', 'aiosync.coordination', "
             "'ray') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
     code = ("import sys, aiosync; aiosync.Synchronizer; aiosync.PatchWeightSyncer; "
-            "print([m for m in ('torch.distributed.tensor', 'numba', 'aiosync.syncers.kernels', 'ray') "
+            "print([m for m in ('torch.distributed.tensor', 'numba', 'aiosync.syncers.kernels.flat', 'ray') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

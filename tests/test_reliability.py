@@ -20,10 +20,10 @@ from aiosync.transports.inproc import inproc_pair
 from aiosync.configs import load_config
 from aiosync.errors import (AiosyncError, ApplyError, ChecksumError, ConfigError, HandshakeError, PatchChainError,
                             PayloadError, PeerTimeoutError, TransportError, VersionError)
-from aiosync.syncers.bucket_format import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY, SESSION_KEY, VERSION_KEY
+from aiosync.syncers.bucket.format import BUCKET_KEY, CHECKSUM_KEY, MANIFEST_KEY, SESSION_KEY, VERSION_KEY
 from aiosync.syncers.config import WeightSyncerConfig
-from aiosync.syncers.integrity import decode_manifest, tensor_checksum
-from aiosync.syncers.payloads import EmptyWeightPatch, SenderHello, WeightPatch
+from aiosync.syncers.common.integrity import decode_manifest, tensor_checksum
+from aiosync.syncers.common.payloads import EmptyWeightPatch, SenderHello, WeightPatch
 from helpers import bits, recv_from
 
 FORMATS = [("coo", True), ("flat", False)]
@@ -283,7 +283,7 @@ async def test_a_corrupted_value_is_caught_by_the_checksum_and_rolled_back(encod
     patch = await b.recv()
     plain = patch
     if compression == "zstd":
-        from aiosync.syncers.codecs import decompress_patch
+        from aiosync.syncers.patch.codecs import decompress_patch
 
         plain = decompress_patch(patch, {o: lay.elem_size for o, lay in r._rx.layouts.items()})
     values = plain.values.clone()

@@ -20,7 +20,7 @@ from aiosync.cli.simulate import is_delivery, simulate
 from aiosync.coordination import Packet, Synchronizer
 from aiosync.coordination.delivery import DeliveryLine
 from aiosync.coordination.protocol import Ack, Reinit
-from aiosync.syncers.bucket_format import BUCKET_KEY
+from aiosync.syncers.bucket.format import BUCKET_KEY
 from aiosync.syncers.faults import ApplyFaults, flaky_syncer_factory
 from aiosync.transports.faults import FaultProfile
 from aiosync.transports.simulated import SimulatedTransport, simulated_pair

@@ -23,7 +23,7 @@ import torch
 from aiosync.coordination import Synchronizer
 from aiosync.errors import DrainError, VersionError
 from aiosync.syncers.config import WeightSyncerConfig
-from aiosync.syncers.patch import PatchWeightSyncer
+from aiosync.syncers.patch.syncer import PatchWeightSyncer
 from aiosync.transports.base import Transport
 from aiosync.transports.simulated import simulated_pair
 from helpers import HANG_GUARD, PATCH, Gate, GatedTransport, holds, rollout_model, settle, train_to, trainer_state
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.both_loops
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_kernels():
     """Compile the numba kernels before short delivery timeouts start counting."""
-    from aiosync.syncers.kernels_warmup import warm_up
+    from aiosync.syncers.kernels.warmup import warm_up
 
     warm_up()
 

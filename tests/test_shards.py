@@ -19,12 +19,12 @@ from aiosync.coordination.shards import ShardPeer
 from aiosync.errors import ApplyError, ConfigError, HandshakeError
 from aiosync.messages import Shared, unshare
 from aiosync.syncers import PatchWeightSyncer
-from aiosync.syncers.patch_handshake import receiver_metadata
-from aiosync.syncers.patch_receiver import receiver_shards
+from aiosync.syncers.patch.handshake import receiver_metadata
+from aiosync.syncers.patch.receiver import receiver_shards
 from aiosync.coordination.protocol import ShardClose, ShardGo
-from aiosync.syncers.payloads import ShardBuild, ShardDone, ShardHello, Stamped
-from aiosync.syncers.shard_layout import shard_layout, shard_rows
-from aiosync.syncers.shards import ShardLink, ShardServer, ShardSet
+from aiosync.syncers.common.payloads import ShardBuild, ShardDone, ShardHello, Stamped
+from aiosync.syncers.patch.shard_layout import shard_layout, shard_rows
+from aiosync.syncers.patch.shards import ShardLink, ShardServer, ShardSet
 from aiosync.transports.inproc import inproc_pair
 from helpers import HANG_GUARD, PATCH, same_bits
 

@@ -57,8 +57,8 @@ def _scenario(rank: int, world: int, out: Path, extra: dict) -> dict:
 
     from aiosync.coordination import Explorer, Synchronizer
     from aiosync.coordination.shards import SHARD_TAG, ShardPeer
-    from aiosync.syncers.shard_layout import shard_layout
-    from aiosync.syncers.state_dicts import collect_param_names_need_sync, gathered_bytes
+    from aiosync.syncers.patch.shard_layout import shard_layout
+    from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
     from aiosync.transports.distributed import WeightSyncGroup
     from aiosync.transports.distributed.wire import shared_statistics
 

@@ -11,7 +11,7 @@ from torch import nn
 from aiosync.syncers import BucketWeightSyncer, collect_param_names_need_sync, iter_named_tensor_buckets
 from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import HandshakeError, VersionError
-from aiosync.syncers.bucket_format import BUCKET_KEY, META_PREFIX, VERSION_KEY
+from aiosync.syncers.bucket.format import BUCKET_KEY, META_PREFIX, VERSION_KEY
 from helpers import bits
 
 

@@ -14,7 +14,7 @@ from aiosync.syncers import (CompressedWeightPatch, EmptyWeightPatch, PatchWeigh
                              collect_param_names_need_sync)
 from aiosync.transports.inproc import inproc_pair
 from aiosync.errors import (CodecUnavailableError, ConfigError, HandshakeError, PatchChainError, VersionError)
-from aiosync.syncers.payloads import ReceiverMetadata, SenderHello
+from aiosync.syncers.common.payloads import ReceiverMetadata, SenderHello
 from helpers import bits
 
 

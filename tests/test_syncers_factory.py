@@ -147,7 +147,7 @@ def test_is_dtensor_does_not_import_torch_distributed_tensor():
     code = """
 import sys
 import torch
-from aiosync.syncers.state_dicts import alias_groups, is_dtensor, materialize
+from aiosync.syncers.common.state_dicts import alias_groups, is_dtensor, materialize
 sys.modules.pop("torch.distributed.tensor", None)
 t = torch.zeros(3)
 assert is_dtensor(t) is False
@@ -165,7 +165,7 @@ print("ok")
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_is_dtensor_recognises_a_dtensor_once_imported():
-    from aiosync.syncers.state_dicts import is_dtensor
+    from aiosync.syncers.common.state_dicts import is_dtensor
 
     tensor_mod = pytest.importorskip("torch.distributed.tensor")
     assert tensor_mod.DTensor is not None and is_dtensor(torch.zeros(1)) is False

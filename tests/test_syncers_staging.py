@@ -24,9 +24,9 @@ from torch import nn
 
 from aiosync.errors import ApplyError, DriftError, PatchChainError, PayloadError, VersionError
 from aiosync.syncers import BucketWeightSyncer, CompressedWeightPatch, PatchWeightSyncer, StagedWrite, WeightPatch
-from aiosync.syncers.bucket_format import META_PREFIX, load_into
+from aiosync.syncers.bucket.format import META_PREFIX, load_into
 from aiosync.syncers.faults import ApplyFaults, FlakyBucketSyncer, FlakyPatchSyncer
-from aiosync.syncers.staging import FullStateWrite, Journal
+from aiosync.syncers.common.staging import FullStateWrite, Journal
 from aiosync.transports.inproc import inproc_pair
 
 

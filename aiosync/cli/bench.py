@@ -40,8 +40,8 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..messages import payload_nbytes
 from ..syncers import WeightSyncer
-from ..syncers.kernels_warmup import warm_up
-from ..syncers.snapshot import as_bits
+from ..syncers.kernels.warmup import warm_up
+from ..syncers.common.bits import as_bits
 from ..transports.inproc import inproc_pair
 from .args import integer, number, output_path
 

@@ -31,7 +31,7 @@ from ..errors import (AiosyncError, ApplyError, ClosedResourceError, EndOfStream
 from ..messages import type_name
 from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
-from ..syncers.state_dicts import module_state_dict
+from ..syncers.common.state_dicts import module_state_dict
 from ..transports.base import Transport
 from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import PolicySlot

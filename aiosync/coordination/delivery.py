@@ -28,7 +28,7 @@ from ..errors import EndOfStream, PayloadError, PeerTimeoutError
 from ..messages import payload_nbytes
 from ..syncers.base import WeightSyncer
 from ..syncers.factory import SyncerFactory
-from ..syncers.payloads import ReceiverMetadata
+from ..syncers.common.payloads import ReceiverMetadata
 from ..transports.base import Transport
 from .fanout import Built, FanOut, changed_elements, receiver_key, restamp
 from .metrics import RunningStat, Series

@@ -10,7 +10,7 @@ it built (``history``).
   reference, across processes the same bytes: a syncer that ``shares_payloads`` gets its
   payloads wrapped as :class:`~aiosync.messages.Shared` (encoded once, however many explorers
   and processes take them) and each member's handshake session travels beside them
-  (:class:`~aiosync.syncers.payloads.Stamped`, :func:`restamp`).
+  (:class:`~aiosync.syncers.common.payloads.Stamped`, :func:`restamp`).
 * A member that lags (its own delivery line coalesced a few versions away) gets the chain of
   cached packets from its version on, each applied atomically; a ``latest`` lineage (bucket
   mode) just sends its newest packet (buckets carry whole tensors).
@@ -48,7 +48,7 @@ import anyio
 
 from ..messages import Shared, payload_nbytes
 from ..syncers.base import WeightSyncer
-from ..syncers.payloads import ShardedPatch, Stamped
+from ..syncers.common.payloads import ShardedPatch, Stamped
 from .protocol import Packet
 from .sources import Published, own_bytes
 

@@ -14,7 +14,7 @@ from .._strict import check_seconds
 from ..aio import run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError
-from ..syncers.state_dicts import module_state_dict
+from ..syncers.common.state_dicts import module_state_dict
 from .slots import PolicySlot
 
 

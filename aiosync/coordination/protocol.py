@@ -286,7 +286,7 @@ class Close(Control):
 # ----------------------------------------------------------------------------- shard ranks
 # Between the rank that runs the synchronizer and the other ranks of a sharded trainer
 # (:mod:`aiosync.coordination.shards`); the commands themselves are the syncers'
-# (:mod:`aiosync.syncers.shards`).
+# (:mod:`aiosync.syncers.patch.shards`).
 
 @message
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """A sharded trainer's ranks (FSDP2): shard-local syncs, with one synchronizer.
 
 Every rank of the trainer keeps the snapshot of its own shard and builds its own shard's patch
-(:mod:`aiosync.syncers.shards`); one rank — the trainer's rank 0 — runs the
+(:mod:`aiosync.syncers.patch.shards`); one rank — the trainer's rank 0 — runs the
 :class:`~aiosync.Synchronizer` (sessions, schedules, fan-out, explorers) and attaches the
 trainer with ``attach_trainer(model, shard_peers=[...])``; every other rank runs a
 :class:`ShardPeer` over a transport to it::
@@ -45,9 +45,9 @@ import torch
 
 from ..errors import ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutError, TransportError
 from ..syncers.base import recv_with_timeout
-from ..syncers.payloads import ShardHello
-from ..syncers.shards import ShardLink, ShardServer
-from ..syncers.state_dicts import collect_param_names_need_sync, module_state_dict
+from ..syncers.common.payloads import ShardHello
+from ..syncers.patch.shards import ShardLink, ShardServer
+from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
 from .protocol import ShardClose, ShardGo
 

@@ -38,7 +38,7 @@ import torch
 from ..aio import finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
-from ..syncers.state_dicts import is_dtensor
+from ..syncers.common.state_dicts import is_dtensor
 
 
 @dataclass(eq=False)

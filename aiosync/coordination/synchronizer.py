@@ -27,7 +27,7 @@ import torch
 from ..checkpoints import CheckpointDir
 from ..errors import ConfigError, DrainError, PeerTimeoutError
 from ..syncers.factory import syncer_factory
-from ..syncers.state_dicts import collect_param_names_need_sync
+from ..syncers.common.state_dicts import collect_param_names_need_sync
 from ..transports.base import Transport
 from ..transports.inproc import inproc_pair
 from .config import SynchronizerConfig
@@ -99,7 +99,7 @@ class Synchronizer:
         self.staleness = StalenessFilter(cfg.max_staleness, cfg.staleness_mode, cfg.staleness_decay)
         self.loop_lag = LoopLagMonitor(loop_lag_interval) if loop_lag_interval else None
         self.trainer: TrainerHandle | None = None
-        #: A sharded trainer's shards (:class:`~aiosync.syncers.shards.ShardSet`), or ``None``.
+        #: A sharded trainer's shards (:class:`~aiosync.syncers.patch.shards.ShardSet`), or ``None``.
         self.shards: Any = None
         #: The explorers' sessions by name, in-process and remote alike (lost ones stay, with their ``error``).
         self.explorers: dict[str, ExplorerSession] = self.hub.sessions
@@ -249,7 +249,7 @@ class Synchronizer:
         """Rank 0 of a sharded trainer: connect the other ranks, make every delivery line's
         sender a sharded one."""
         from ..syncers.factory import SyncerFactory
-        from ..syncers.shards import ShardSet
+        from ..syncers.patch.shards import ShardSet
         from .shards import ShardPeers
 
         cfg, syncers = self.config, self.hub.syncers

@@ -48,7 +48,7 @@ import torch
 from ..aio import run_sync
 from ..dtypes import dtype_name
 from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
-from ..syncers.bucket_format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
+from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
 from .vllm_plugin import BACKEND
 
 PAUSE_MODES = ("keep", "wait", "abort")

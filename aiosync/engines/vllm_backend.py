@@ -16,7 +16,7 @@ weights through vLLM's own update path (``init_weight_transfer_engine``,
   reference) or ``{"bucket_bytes": b"..."}`` (an engine in another process: the bucket as
   safetensors bytes) — one **aiosync bucket** (the bucket format of bucket mode and of the
   patch bootstrap: version, index and count, the manifest in the first one) of whole tensors
-  in checkpoint names. :class:`~aiosync.syncers.bucket_format.BucketReader` validates it
+  in checkpoint names. :class:`~aiosync.syncers.bucket.format.BucketReader` validates it
   (order, manifest, shapes, dtypes) before the model's own ``load_weights`` — which fuses
   q/k/v and gate/up and takes this rank's tensor-parallel shard — sees anything;
 * ``finish_weight_update()`` — every announced bucket must have arrived; the layerwise reload
@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ..dtypes import dtype_from_name
 from ..errors import PayloadError
-from ..syncers.bucket_format import BucketReader
+from ..syncers.bucket.format import BucketReader
 
 
 @dataclass

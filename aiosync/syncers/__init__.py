@@ -1,30 +1,40 @@
-"""Weight syncers: how one policy version travels from a sender to a receiver.
+"""Weight syncers: how one policy version travels from a sender to a receiver (over ``send`` /
+``recv`` only: nothing here knows a transport or the coordination layer).
+
+Top level — the interface and what builds syncers:
 
 * :mod:`.base` — the interface (W1), the registry behind ``WeightSyncer.create`` (W2),
-  staging (F3: :class:`StagedWrite`) and :class:`SyncStatistics`
-* :mod:`.factory` — :func:`create_syncer`, :func:`syncer_factory` (what a synchronizer uses)
-* :mod:`.patch` — patch mode: changed elements only; :mod:`.snapshot` builds the diff,
-  :mod:`.patch_format` encodes it, :mod:`.codecs` compresses it, :mod:`.patch_handshake` and
-  :mod:`.patch_receiver` are its handshake and its receiver
-* :mod:`.bucket` — bucket mode: whole tensors in size-bounded buckets (:mod:`.bucket_format`)
-* :mod:`.staging` — staged whole-state writes and the write journal
-* :mod:`.state_dicts` — which tensors are synced, DTensors, tied tensors
+  staging (F3: :class:`StagedWrite`), :class:`CommitTarget` and :class:`SyncStatistics`
 * :mod:`.config` — the ``weight_syncer`` config group as dataclasses
+* :mod:`.factory` — :func:`create_syncer`, :func:`syncer_factory` (what a synchronizer uses)
 * :mod:`.faults` — receivers whose writes fail on purpose (simulation, tests)
 
-Importing this package registers both implementations for ``WeightSyncer.create``. It imports
-nothing of the transports or of the coordination layer.
+Sub-packages — one family each, lowest first (each imports only those before it, and the top
+level's :mod:`.base` / :mod:`.config`):
+
+* :mod:`.kernels` — the numba kernels (flat builder, writer, SIMD block masks, ``ctx``, rANS,
+  warm-up); they import no syncer
+* :mod:`.common` — what every mode shares: raw bits, payloads, integrity, staging and its
+  journal, state dicts, COO indexing
+* :mod:`.snapshot` — the sender's snapshot and the patch builders (CPU, CUDA, Triton)
+* :mod:`.bucket` — bucket mode: whole tensors in size-bounded buckets, and the bucket format
+  (also the patch bootstrap's)
+* :mod:`.patch` — patch mode: the syncer, handshake, wire format, bounds, compression, the
+  receiver, shard-local patches, and the ``ctx`` coding (:mod:`.patch.ctx`)
+
+Importing this package registers both implementations for ``WeightSyncer.create``; it loads
+no numba kernel (they load on first use, off the event loop).
 """
 
 from .base import CommitTarget, StagedWrite, SyncStatistics, WeightSyncer
-from .bucket import BucketWeightSyncer
-from .bucket_format import iter_named_tensor_buckets
+from .bucket.format import iter_named_tensor_buckets
+from .bucket.syncer import BucketWeightSyncer
+from .common.indexing import as_coo_2d_view, delta_decode, delta_encode, downscale_nonnegative_indices
+from .common.payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
+from .common.state_dicts import collect_param_names_need_sync, gather_full_state
 from .config import BucketConfig, CommOptions, InitSyncConfig, PatchConfig, WeightSyncerConfig
 from .factory import SyncerFactory, create_syncer, syncer_factory
-from .indexing import as_coo_2d_view, delta_decode, delta_encode, downscale_nonnegative_indices
-from .patch import PatchWeightSyncer
-from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
-from .state_dicts import collect_param_names_need_sync, gather_full_state
+from .patch.syncer import PatchWeightSyncer
 
 __all__ = [
     "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "CommitTarget", "SyncStatistics",

@@ -137,7 +137,7 @@ class WeightSyncer(ABC):
     #: sender per explorer).
     fan_out_mode: ClassVar[str | None] = None
     #: ``True`` when the receiver takes a sync's payloads as :class:`aiosync.messages.Shared`
-    #: (and patches as :class:`~aiosync.syncers.payloads.Stamped`): a fan-out then sends one
+    #: (and patches as :class:`~aiosync.syncers.common.payloads.Stamped`): a fan-out then sends one
     #: object, encoded once, to every explorer at that version, with each explorer's session
     #: beside it. ``False``: each explorer gets its own copy of the payload (encoded per explorer).
     shares_payloads: ClassVar[bool] = False

@@ -12,9 +12,9 @@ import random
 import threading
 from typing import Any
 
-from .bucket import BucketWeightSyncer
+from .bucket.syncer import BucketWeightSyncer
 from .config import WeightSyncerConfig
-from .patch import PatchWeightSyncer
+from .patch.syncer import PatchWeightSyncer
 
 
 class ApplyFaults:

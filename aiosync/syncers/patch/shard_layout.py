@@ -1,4 +1,4 @@
-"""What a shard of a sharded trainer is (:mod:`.shards`): the pieces a rank holds, how the
+"""What a shard of a sharded trainer is (:mod:`aiosync.syncers.patch.shards`): the pieces a rank holds, how the
 pieces of every rank fit together, and a shard seen as a model of its own on both sides.
 
 * :func:`shard_layout` — the pieces of the synced tensors a rank holds (DTensors' local
@@ -15,11 +15,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..pieces import local_pieces
-from ..dtypes import dtype_name
-from ..errors import ConfigError
-from .patch_handshake import is_int
-from .payloads import ReceiverMetadata
+from ...pieces import local_pieces
+from ...dtypes import dtype_name
+from ...errors import ConfigError
+from .handshake import is_int
+from ..common.payloads import ReceiverMetadata
 
 def shard_layout(state: Mapping[str, torch.Tensor], rank: int, names: list[str]
                  ) -> tuple[dict[str, torch.Tensor], dict[str, list]]:

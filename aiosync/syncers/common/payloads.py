@@ -3,7 +3,7 @@
 Handshake (patch mode): the receiver sends :class:`ReceiverMetadata`, the sender answers
 with :class:`SenderHello`; then the optional bootstrap buckets follow. Each sync is then one
 :class:`WeightPatch`, :class:`CompressedWeightPatch` or :class:`EmptyWeightPatch`.
-Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket_format`).
+Bucket payloads are state-dict-like ``dict[str, Tensor]`` (see :mod:`aiosync.syncers.bucket.format`).
 
 One version's patch goes to every explorer at its base version as the same object (a
 :class:`~aiosync.messages.Shared`, encoded once); what differs per explorer — the session of
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..messages import message
+from ...messages import message
 
 
 @message
@@ -53,7 +53,7 @@ class SenderHello:
     synced_ordinals: list[int] = field(default_factory=list)
     #: the receiver's :attr:`ReceiverMetadata.session`, echoed.
     session: int | None = None
-    #: a sharded sender (:mod:`aiosync.syncers.shards`): per shard, ``{"rows": {key: [first row,
+    #: a sharded sender (:mod:`aiosync.syncers.patch.shards`): per shard, ``{"rows": {key: [first row,
     #: rows] or None (the whole tensor)}, "synced": [ordinals of that shard's keys], "init_sync":
     #: bool}``; its patches are :class:`ShardedPatch` es. ``None``: one sender.
     shards: list | None = None
@@ -101,7 +101,7 @@ class WeightPatch:
     #: ``ordinals`` order; the receiver verifies them after writing and rolls back on a mismatch.
     checksums: torch.Tensor | None = None
     #: the drift check (required for ``flat``): per touched tensor, in ``ordinals`` order, an int64
-    #: hash of the *old* bits at its changed positions (:func:`aiosync.syncers.integrity.drift_hash`);
+    #: hash of the *old* bits at its changed positions (:func:`aiosync.syncers.common.integrity.drift_hash`);
     #: the receiver compares it with its own bits before writing anything (``DriftError``).
     old_hashes: torch.Tensor | None = None
 
@@ -179,7 +179,7 @@ class ShardedPatch:
 
 # ----------------------------------------------------------------------------- shard ranks
 # Between the rank that runs the synchronizer and the other ranks of a sharded trainer
-# (:mod:`aiosync.syncers.shards`).
+# (:mod:`aiosync.syncers.patch.shards`).
 
 
 @message

@@ -13,7 +13,7 @@ The receiver decodes in three passes per segment:
 1. every gap (``L`` lanes at a time), summed per class into *ranks* (the class-local index of
    each change), marked in one bitset per class;
 2. one pass over its old values: per block of 64 elements the four class masks
-   (:func:`~aiosync.syncers.kernels_ctx._block_classes`), and the block's change mask as the
+   (:func:`~aiosync.syncers.kernels.ctx._block_classes`), and the block's change mask as the
    OR over classes of the class's next ``popcount`` rank bits deposited (``pdep``) into its
    class mask; its set bits are the change positions, in position order;
 3. every value code (``L`` lanes at a time), each with the table of its old value's exponent.
@@ -31,9 +31,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .kernels import _flatten, _popcount64, _width, mix64, unzigzag
-from .kernels_ctx import N_CLASSES, N_VCTX, _block_classes, value_ctx
-from .kernels_simd import PREFETCH_BLOCKS, prefetch_block
+from .flat import _flatten, _popcount64, _width, mix64, unzigzag
+from .ctx import N_CLASSES, N_VCTX, _block_classes, value_ctx
+from .simd import PREFETCH_BLOCKS, prefetch_block
 from .rans import RANS_L, flush, get_value, put_value, start_state
 
 #: lanes of a segment with at least this many changes (fewer: one lane; four more streams cost

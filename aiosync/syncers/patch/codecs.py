@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..aio import bind_cuda, resolve_device
-from ..dtypes import dtype_from_name, dtype_name
-from ..errors import CodecUnavailableError, PayloadError
-from .payloads import CompressedWeightPatch, WeightPatch
+from ...aio import bind_cuda, resolve_device
+from ...dtypes import dtype_from_name, dtype_name
+from ...errors import CodecUnavailableError, PayloadError
+from ..common.payloads import CompressedWeightPatch, WeightPatch
 
 NVCOMP_ALGORITHMS = {"nvcomp_lz4": "LZ4", "nvcomp_zstd": "Zstd"}
 _POOL: ThreadPoolExecutor | None = None
@@ -265,10 +265,10 @@ def decompress_patch(cp: CompressedWeightPatch, layouts) -> WeightPatch:
     """Invert :func:`compress_patch`. Corrupt or truncated streams raise :class:`PayloadError`.
 
     ``layouts`` maps each ordinal the receiver syncs to its
-    :class:`~aiosync.syncers.patch_format.TensorLayout` (or just its element width in bytes):
+    :class:`~aiosync.syncers.patch.format.TensorLayout` (or just its element width in bytes):
     every stream's declared size is checked against what the patch's counts need before
-    anything is decompressed (see :func:`~aiosync.syncers.patch_format.stream_bounds`)."""
-    from .patch_bounds import stream_bounds
+    anything is decompressed (see :func:`~aiosync.syncers.patch.format.stream_bounds`)."""
+    from .bounds import stream_bounds
 
     if not isinstance(cp.blobs, dict) or not isinstance(cp.sizes, dict) or not isinstance(cp.dtypes, dict):
         raise PayloadError("compressed patch has malformed stream tables")

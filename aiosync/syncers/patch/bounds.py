@@ -3,9 +3,9 @@ every decoder checks a declared size against before it allocates or decompresses
 
 from __future__ import annotations
 
-from ..errors import PayloadError
+from ...errors import PayloadError
 
-#: bytes of one gap varint at most (:func:`~aiosync.syncers.kernels.decode_gaps` refuses a tenth byte)
+#: bytes of one gap varint at most (:func:`~aiosync.syncers.kernels.flat.decode_gaps` refuses a tenth byte)
 MAX_VARINT_BYTES = 9
 
 
@@ -31,12 +31,12 @@ def stream_bounds(encoding: str, ords: list[int], counts: list[int], layouts) ->
     if encoding == "flat":
         return {"cols": (total, MAX_VARINT_BYTES * total), "values": (packed, packed + value_bytes)}
     if encoding == "ctx":
-        from .kernels_ctx import N_CONTEXTS, SEGMENT
-        from .rans import NSYM
+        from ..kernels.ctx import N_CONTEXTS, SEGMENT
+        from ..kernels.rans import NSYM
 
         segs = sum(max(1, -(-layouts[o].numel // SEGMENT)) if not isinstance(layouts[o], int) else max(1, n)
                    for o, n in zip(ords, counts))
-        from .kernels_ctx_coder import MAX_LANES
+        from ..kernels.ctx_coder import MAX_LANES
 
         busy = min(segs, total)  # segments with a change: at most 2 MAX_LANES streams (stream_bound bytes each)
         header_ints = 1 + N_CONTEXTS * (2 + NSYM) + 4 * len(ords) + (4 + 2 * MAX_LANES - 1) * segs

@@ -12,7 +12,7 @@ spends its time launching and waiting, not moving bytes. Here tensors are diffed
 * Each group is diffed *packed*, by one of two backends that give the same bits:
 
   - **fused** (CUDA, when ``triton`` imports — it ships with CUDA torch wheels —
-    :mod:`.snapshot_triton`): two kernels reading the members through a pointer table. The
+    :mod:`aiosync.syncers.snapshot.triton`): two kernels reading the members through a pointer table. The
     first loads each source element, casts it to the snapshot dtype in registers (fp32 → bf16
     with the rounding and NaN rule of torch's own cast on that device, probed), compares it with
     the snapshot bits and writes one *bit* per element plus a count per tile; the second, after
@@ -21,7 +21,7 @@ spends its time launching and waiting, not moving bytes. Here tensors are diffed
     int64 index of the whole group.
   - **torch ops** (everywhere else, CPU included): the members' sources are packed into one
     buffer (``torch.cat``) and cast once; the snapshot of a group is one contiguous slice
-    (:class:`~aiosync.syncers.snapshot.Snapshot` keeps one buffer per dtype); one ``ne``, one
+    (:class:`~aiosync.syncers.snapshot.builder.Snapshot` keeps one buffer per dtype); one ``ne``, one
     ``nonzero`` (host sync 1), one gather of new and old bits, one scatter into the snapshot, and
     the changes are split per member from one ``bincount`` (host sync 2).
 
@@ -133,7 +133,7 @@ def diff_group(pairs, group: list[Piece], backend: str | None = None,
 
 
 def _diff_group_fused(pairs, group: list[Piece], snaps: list[torch.Tensor]) -> GroupDiff | None:
-    from .snapshot_triton import diff_fused
+    from .triton import diff_fused
 
     out = diff_fused([pairs[p.pair][0][p.start:p.end] for p in group], snaps, [p.start for p in group])
     if out is NotImplemented:  # a dtype pair or layout the kernels do not handle
@@ -246,7 +246,7 @@ def self_check(device: torch.device) -> bool:
     compare, several members, partial tiles. ``False``, with a warning, if they fail to compile
     or differ in any bit."""
     try:
-        from .snapshot_triton import TILE, probe_values
+        from .triton import TILE, probe_values
 
         g = torch.Generator().manual_seed(0)
         sources = [torch.cat([probe_values().view(torch.float32), torch.randn(TILE + 37, generator=g)]),

@@ -17,8 +17,8 @@ handshake, refuses it before writing anything. ``flat`` patches always carry a d
 snapshot holds it afterwards; the receiver checks the tensors it wrote and rolls the whole
 patch back on a mismatch.
 
-Helpers: :mod:`.patch_handshake` (metadata, answer, plan), :mod:`.patch_receiver` (validate,
-write), :mod:`.staging` (bootstrap writes, journal).
+Helpers: :mod:`aiosync.syncers.patch.handshake` (metadata, answer, plan), :mod:`aiosync.syncers.patch.receiver` (validate,
+write), :mod:`aiosync.syncers.common.staging` (bootstrap writes, journal).
 """
 
 from __future__ import annotations
@@ -32,25 +32,26 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import resolve_device, run_sync, wait_event
-from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
-from ..messages import RecvFn, SendFn, payload_nbytes
-from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
-from .bucket_format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
-                            iter_named_tensor_buckets, seal_bucket)
+from ...aio import resolve_device, run_sync, wait_event
+from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
+from ...messages import RecvFn, SendFn, payload_nbytes
+from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from ..bucket.format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
+    iter_named_tensor_buckets, seal_bucket)
 from .codecs import check_codec_available, compress_patch
-from .config import PatchConfig
-from .integrity import checksum_tensor, new_session, tensor_checksum
-from .patch_format import TensorLayout, assemble_flat_patch, encode_patch
-from .patch_handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
-                              receiver_metadata, sender_layouts)
-from .patch_receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch,
-                             receiver_shards, write_patch)
-from .payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
+from ..config import PatchConfig
+from ..common.integrity import checksum_tensor, new_session, tensor_checksum
+from .format import TensorLayout, assemble_flat_patch, encode_patch
+from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
+    receiver_metadata, sender_layouts)
+from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch, receiver_shards,
+    write_patch)
+from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
-from .snapshot import FlatDiff, Snapshot
-from .staging import FullStateWrite, Journal, commit_write, held_bytes, warm_up_kernels
-from .state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
+from ..snapshot.builder import FlatDiff, Snapshot
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
+from ..kernels.warmup import warm_up_kernels
+from ..common.state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
 
@@ -208,7 +209,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._snapshot = snapshot
         self._ctx = None
         if self.config.encoding == "ctx":
-            from .patch_ctx import CtxBuilder  # numba: imported when used, never at ``import aiosync``
+            from .ctx.encode import CtxBuilder  # numba: imported when used, never at ``import aiosync``
 
             self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts)
         self._last_version = None
@@ -364,7 +365,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return diffs
         if self._snapshot.staged_event is not None:
             self._snapshot.staged_event.synchronize()
-        from .patch_ctx import diffs_from_tensor_diffs
+        from .ctx.encode import diffs_from_tensor_diffs
 
         return diffs_from_tensor_diffs(self._ctx, diffs)
 
@@ -378,7 +379,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         if diffs and isinstance(diffs[0], FlatDiff):
             patch = assemble_flat_patch(diffs, self._layouts, version=version, base_version=base)
         elif self.config.encoding == "ctx":
-            from .patch_ctx import assemble_ctx_patch
+            from .ctx.encode import assemble_ctx_patch
 
             patch = assemble_ctx_patch(diffs, self._layouts, version=version, base_version=base,
                                        pool=self._snapshot.pool())

@@ -1,8 +1,8 @@
 """Fused compare kernels of the CUDA builder (Triton): cast, compare and compact in two passes.
 
-Imported only by :mod:`.snapshot_cuda` when a CUDA group is diffed (``import triton`` is slow);
+Imported only by :mod:`aiosync.syncers.snapshot.cuda` when a CUDA group is diffed (``import triton`` is slow);
 ``ImportError`` there means "use torch ops", and so does a failed self-check
-(:func:`.snapshot_cuda.fused_ok`). A group (see :func:`.snapshot_cuda.plan`) is cut into
+(:func:`aiosync.syncers.snapshot.cuda.fused_ok`). A group (see :func:`aiosync.syncers.snapshot.cuda.plan`) is cut into
 tiles of :data:`TILE` elements, none spanning two members; a member table gives each member's
 source and snapshot address, length and first tile, so one launch covers every member:
 
@@ -15,7 +15,7 @@ source and snapshot address, length and first tile, so one launch covers every m
 3. :func:`_gather` — per tile: expand the change bits, load source and snapshot only where they
    are set, write (position, new bits, old bits) at the tile's offset, update the snapshot.
 
-Traffic: see :mod:`.snapshot_cuda` (≈ 6.25 B per fp32 → bf16 element plus O(changes)).
+Traffic: see :mod:`aiosync.syncers.snapshot.cuda` (≈ 6.25 B per fp32 → bf16 element plus O(changes)).
 """
 
 from __future__ import annotations

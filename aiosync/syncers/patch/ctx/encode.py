@@ -1,7 +1,7 @@
 """The ``ctx`` patch encoding, sender side: statistics, class thresholds, the build and the coding.
 
 A ``ctx`` patch codes each changed tensor's changes against what the receiver already holds
-(its old values; see :mod:`aiosync.syncers.kernels_ctx`, :mod:`aiosync.syncers.kernels_ctx_coder` and
+(its old values; see :mod:`aiosync.syncers.kernels.ctx`, :mod:`aiosync.syncers.kernels.ctx_coder` and
 docs/wire-format.md):
 
 * the *class* of an element (four, by the magnitude of its old value against three per-tensor
@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels_ctx as kc
-from . import kernels_ctx_coder as kcc
-from .rans import NSYM, encoder_tables, normalize, symbol_of
-from .snapshot import _np_bits
+from ...kernels import ctx as kc
+from ...kernels import ctx_coder as kcc
+from ...kernels.ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
+from ...kernels.rans import NSYM, encoder_tables
+from ...common.bits import np_bits
 
-N_CONTEXTS = kc.N_CONTEXTS
-WIDTH_SLOT = {1: 0, 2: 1, 4: 2, 8: 3}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # dtype → (mantissa bits, exponent bias) of its floating-point layout
 _FLOATS = {torch.bfloat16: (7, 127), torch.float16: (10, 15), torch.float32: (23, 127), torch.float64: (52, 1023)}
@@ -126,14 +125,14 @@ class CtxDiff:
 
 
 class CtxBuilder:
-    """The sender's ``ctx`` builder over a :class:`~aiosync.syncers.snapshot.Snapshot`."""
+    """The sender's ``ctx`` builder over a :class:`~aiosync.syncers.snapshot.builder.Snapshot`."""
 
     def __init__(self, snapshot, layouts) -> None:
         self.snapshot = snapshot
         self.models: list[SlotModel] = []
         for slot, lay in enumerate(layouts):
             magmask, mant, bias = ctx_format(lay.dtype, lay.elem_size)
-            bits = _np_bits(snapshot.tensor(slot).detach().reshape(-1).cpu().contiguous())
+            bits = np_bits(snapshot.tensor(slot).detach().reshape(-1).cpu().contiguous())
             hn = np.zeros(kc.BINS, np.int64)
             mm = np.array([magmask], bits.dtype)
             for s in range(0, bits.size, kc.SEGMENT):
@@ -147,7 +146,7 @@ class CtxBuilder:
     def build(self, tensors: list[torch.Tensor], slots: list[int] | None = None) -> list[CtxDiff]:
         """Diff ``tensors`` (CPU) against the snapshot, updating it; one :class:`CtxDiff` per
         changed tensor, in slot order. Segments run as tasks of about ``chunk_elems`` elements
-        (:meth:`~aiosync.syncers.snapshot.Snapshot.map_pieces`)."""
+        (:meth:`~aiosync.syncers.snapshot.builder.Snapshot.map_pieces`)."""
         snap = self.snapshot
         slots = list(range(len(tensors))) if slots is None else slots
         snap.wait_writeback()
@@ -235,44 +234,6 @@ class CtxBuilder:
 
 
 # ------------------------------------------------------------------- coding
-def build_tables(hists: list[np.ndarray], complete: set[int] = frozenset()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(context ids in use, their frequencies, context → table row map)`` from symbol counts.
-
-    ``complete`` names width slots whose counts are a sample: every context of such a width
-    gets a table, and every symbol its records can hold one more count, so that no change
-    the sample missed lacks a code (on the bench: 0.15 kB more tables, 0.003 B/changed in all).
-    """
-    total = hists[0].copy()
-    for h in hists[1:]:
-        total += h
-    for w in complete:
-        gaps, values = _context_rows(w)
-        total[gaps, :_SYMBOLS_GAP] += 1
-        total[values, :_symbols_value(w)] += 1
-    used = np.nonzero(total.sum(axis=1))[0]
-    freqs = np.zeros((max(1, used.size), NSYM), np.int64)
-    for row, cid in enumerate(used):
-        freqs[row] = normalize(total[cid])
-    tmap = np.full(N_CONTEXTS, -1, np.int64)
-    tmap[used] = np.arange(used.size)
-    return used, freqs, tmap
-
-
-def _context_rows(wslot: int) -> tuple[slice, slice]:
-    """The rows of width slot ``wslot``'s gap tables and value tables."""
-    nc, nv = kc.N_CLASSES, kc.N_VCTX
-    return slice(wslot * nc, (wslot + 1) * nc), slice(4 * nc + wslot * nv, 4 * nc + (wslot + 1) * nv)
-
-
-_SYMBOLS_GAP = int(symbol_of(np.uint64(kc.SEGMENT - 1))[0]) + 1  # gaps lie below a segment
-
-
-def _symbols_value(wslot: int) -> int:
-    """Symbols of a value code minus one: below ``2**(8 * width)``."""
-    width = 1 << wslot
-    return NSYM if width == 8 else int(symbol_of(np.uint64((1 << 8 * width) - 1))[0]) + 1
-
-
 def encode_ctx(diffs: list[CtxDiff], pool=None) -> tuple[np.ndarray, list[int], list[int]]:
     """rANS-code every segment of ``diffs``; returns ``(streams, bytes per segment, model)``,
     ``model`` being the integers of the model header (written as varints)."""
@@ -323,11 +284,11 @@ def _as_key(bits: np.ndarray) -> np.ndarray:
 
 
 def diffs_from_tensor_diffs(builder: CtxBuilder, diffs) -> list[CtxDiff]:
-    """:class:`CtxDiff` records from the torch builder's :class:`~aiosync.syncers.snapshot.TensorDiff`
+    """:class:`CtxDiff` records from the torch builder's :class:`~aiosync.syncers.snapshot.builder.TensorDiff`
     (CUDA snapshots, ``builder_kernel: torch``, DTensors): the same records the numba builder
     writes, computed from the updated snapshot and the diff's old bits. Updates the statistics."""
-    from .integrity import drift_hash
-    from .patch_format import zigzag_delta
+    from ...common.integrity import drift_hash
+    from ..format import zigzag_delta
 
     out = []
     for d in diffs:
@@ -335,11 +296,11 @@ def diffs_from_tensor_diffs(builder: CtxBuilder, diffs) -> list[CtxDiff]:
         width = model.width
         u = _NP_UINT[width]
         after = builder.snapshot.tensor(d.slot).detach().reshape(-1).cpu()
-        key = _as_key(_np_bits(after.contiguous())) & np.uint64(model.magmask)
+        key = _as_key(np_bits(after.contiguous())) & np.uint64(model.magmask)
         pos = d.positions.cpu().numpy().astype(np.int64)
         old = d.old_bits.cpu().contiguous().view(-1)
         new = d.new_bits.cpu().contiguous().view(-1)
-        old_np, new_np = _np_bits(old).astype(np.uint64), _np_bits(new).astype(np.uint64)
+        old_np, new_np = np_bits(old).astype(np.uint64), np_bits(new).astype(np.uint64)
         key[pos] = old_np & np.uint64(model.magmask)  # classes come from the values before the patch
         thr = [np.uint64(t) for t in model.thr]
         cls = (key >= thr[0]).astype(np.int64) + (key >= thr[1]) + (key >= thr[2])
@@ -365,7 +326,7 @@ def diffs_from_tensor_diffs(builder: CtxBuilder, diffs) -> list[CtxDiff]:
         vctx = np.clip(model.vtop - e_old, 0, kc.N_VCTX - 1)
         ctx = (c_at | (vctx << 2)).astype(np.uint8)
         z = zigzag_delta(new, old).contiguous()
-        z = _np_bits(z).astype(u)
+        z = np_bits(z).astype(u)
         segments = []
         for s in range(n_seg):
             sel = seg_of == s
@@ -390,9 +351,9 @@ def diffs_from_tensor_diffs(builder: CtxBuilder, diffs) -> list[CtxDiff]:
 
 
 def assemble_ctx_patch(diffs: list[CtxDiff], layouts, *, version: int, base_version: int | None, pool=None):
-    """A ``ctx`` :class:`~aiosync.syncers.payloads.WeightPatch` from the builder's records."""
-    from .indexing import downscale_nonnegative_indices
-    from .payloads import EmptyWeightPatch, WeightPatch
+    """A ``ctx`` :class:`~aiosync.syncers.common.payloads.WeightPatch` from the builder's records."""
+    from ...common.indexing import downscale_nonnegative_indices
+    from ...common.payloads import EmptyWeightPatch, WeightPatch
 
     if not diffs:
         return EmptyWeightPatch(version, base_version)

@@ -31,10 +31,10 @@ import anyio
 import numpy as np
 import torch
 
-from ..aio import finish_cuda_work, run_sync
-from ..errors import ApplyError
-from .base import CommitTarget
-from .snapshot import BITS_DTYPES, as_bits
+from ...aio import finish_cuda_work, run_sync
+from ...errors import ApplyError
+from ..base import CommitTarget
+from .bits import BITS_DTYPES, as_bits
 
 log = logging.getLogger("aiosync.sync")
 
@@ -271,7 +271,7 @@ async def commit_write(model: Any, keys: Sequence[str], version: int | None, jou
 def held_bytes(obj: Any) -> int:
     """Bytes of the distinct tensors and numpy arrays inside ``obj`` (containers, dataclasses,
     shared parts; a buffer referenced twice counts once): what a receiver holds for it."""
-    from ..messages import Shared
+    from ...messages import Shared
 
     seen: dict = {}
 
@@ -303,22 +303,13 @@ def held_bytes(obj: Any) -> int:
     return sum(seen.values())
 
 
-def warm_up_kernels(tensors, ctx: bool = False) -> None:
-    """Compile (or load) the numba kernels for these tensors' element widths (with ``ctx``, the
-    ``ctx`` encoding's too): numba holds the GIL while compiling, so this belongs in a worker
-    thread before the first use."""
-    from .kernels_warmup import warm_up
-
-    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in BITS_DTYPES})), ctx)
-
-
 def _scatter_cpu(t: torch.Tensor, pos: torch.Tensor, new_bits: torch.Tensor, journal: Journal | None) -> None:
     """Write ``new_bits`` at ``pos`` of a contiguous CPU tensor (numba; keeps the old bits for
     ``journal``)."""
-    from .kernels_write import scatter
-    from .snapshot import _np_bits
+    from ..kernels.write import scatter
+    from .bits import np_bits
 
-    target, positions, values = _np_bits(t.view(-1)), pos.numpy(), _np_bits(new_bits)
+    target, positions, values = np_bits(t.view(-1)), pos.numpy(), np_bits(new_bits)
     old = np.empty(positions.shape[0] if journal is not None else 0, values.dtype)
     if journal is not None:
         journal.record(lambda: scatter(target, positions, old, old[:0]), old.nbytes)
@@ -331,12 +322,12 @@ def _diff_chunk(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, tor
     if new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
         idx = torch.nonzero(old != new).reshape(-1)
         return idx, new[idx]
-    from .kernels_write import diff_positions
-    from .snapshot import _np_bits
+    from ..kernels.write import diff_positions
+    from .bits import np_bits
 
     n = old.numel()
     pos, bits = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=new.dtype)  # pages touched: k only
-    k = diff_positions(_np_bits(new), _np_bits(old), pos.numpy(), _np_bits(bits), 0)
+    k = diff_positions(np_bits(new), np_bits(old), pos.numpy(), np_bits(bits), 0)
     return pos[:k].clone(), bits[:k].clone()
 
 

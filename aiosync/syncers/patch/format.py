@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PayloadError
-from .indexing import delta_decode, delta_encode, downscale_nonnegative_indices
-from .integrity import drift_hash
-from .patch_bounds import MAX_VARINT_BYTES
-from .payloads import EmptyWeightPatch, WeightPatch
-from .snapshot import BITS_DTYPES, FlatDiff, TensorDiff, _np_bits
+from ...errors import PayloadError
+from ..common.indexing import delta_decode, delta_encode, downscale_nonnegative_indices
+from ..common.integrity import drift_hash
+from .bounds import MAX_VARINT_BYTES
+from ..common.payloads import EmptyWeightPatch, WeightPatch
+from ..common.bits import BITS_DTYPES, np_bits
+from ..snapshot.builder import FlatDiff, TensorDiff
 
 _WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
 
@@ -139,13 +140,13 @@ def _encode_flat(diffs: list[TensorDiff], layouts: list[TensorLayout]):
     """Gap varints + value nibbles and exceptions; numba on CPU, torch ops elsewhere."""
     widths = [layouts[d.slot].elem_size for d in diffs]
     if _on_cpu(diffs):
-        from .kernels import encode_flat
+        from ..kernels.flat import encode_flat
 
         def one(i):
             d = diffs[i]
             gaps, nibs = np.empty(d.nnz * 10, np.uint8), np.empty(d.nnz, np.uint8)
             exc = np.empty((widths[i], d.nnz), np.uint8)
-            new, old = _np_bits(d.new_bits.contiguous()), _np_bits(d.old_bits.contiguous())
+            new, old = np_bits(d.new_bits.contiguous()), np_bits(d.old_bits.contiguous())
             nb, _, e = encode_flat(d.positions.numpy(), new, old, d.nnz, -1, gaps, nibs, exc)
             return gaps[:nb], nibs, exc[:, :e]
 
@@ -175,7 +176,7 @@ def flat_values(nibbles: list, exceptions: list, widths: list[int]):
     """The ``flat`` values stream from per-tensor nibbles (numpy uint8, one per change) and
     exception planes (``(width, e)``): nibbles packed two per byte (low nibble first), then
     the exceptions of each element width, widths ascending, byte-plane-wise."""
-    from .kernels import pack_nibbles
+    from ..kernels.flat import pack_nibbles
 
     nibs = nibbles[0] if len(nibbles) == 1 else np.concatenate(nibbles)
     packed = np.empty((nibs.size + 1) // 2, np.uint8)
@@ -307,7 +308,7 @@ class DecodedTensor:
     @property
     def positions(self) -> torch.Tensor:
         if self._positions is None:
-            from .kernels import decode_gaps
+            from ..kernels.flat import decode_gaps
 
             pos = np.empty(self.count, np.int64)
             decode_gaps(self.gaps, self.gap_start, self.gap_end, self.count, np.iinfo(np.int64).max, pos, True)
@@ -444,7 +445,7 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
         lay = layouts[o]
         seg = cols[starts[i]:starts[i + 1]]
         if on_cpu:
-            from .kernels import decode_gaps
+            from ..kernels.flat import decode_gaps
 
             rc = decode_gaps(cols_np, starts[i], starts[i + 1], n, lay.numel, _NO_POSITIONS, False)
             if rc < 0:
@@ -505,7 +506,7 @@ def _flat_value_layout(values: torch.Tensor, layouts, ords: list[int], counts: l
         bounds = torch.tensor(nib_offs, device=values.device)
         n_excs = (cs[bounds[1:]] - cs[bounds[:-1]]).tolist()
     else:
-        from .kernels import count_escapes
+        from ..kernels.flat import count_escapes
 
         out = np.empty(len(counts), np.int64)
         count_escapes(values.numpy(), np.asarray(counts, np.int64), out)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels_write as kw
-from .kernels import count_escapes, decode_gaps, diff_encode_flat, diff_update, encode_flat, pack_nibbles
-
 _WARM: set[int] = set()
 _WARM_CTX: set[int] = set()
 _DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -39,6 +36,9 @@ def _warm_base(w: int) -> None:
     """The kernels of every encoding but ``ctx``, for element width ``w``."""
     if w in _WARM:
         return
+    from . import write as kw
+    from .flat import count_escapes, decode_gaps, diff_encode_flat, diff_update, encode_flat, pack_nibbles
+
     dt = _DTYPES[w]
     n = 130
     new, snap = np.ones(n, dt), np.zeros(n, dt)
@@ -68,9 +68,9 @@ def _warm_base(w: int) -> None:
 
 def _warm_ctx(w: int) -> None:
     """The ``ctx`` encoding's kernels: a tiny patch built, coded, decoded, written and undone."""
-    from . import kernels_ctx as kc
-    from . import kernels_ctx_coder as kcc
-    from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
+    from . import ctx as kc
+    from . import ctx_coder as kcc
+    from .ctx import N_CONTEXTS, WIDTH_SLOT, build_tables
     from .rans import NSYM, decoder_tables, encoder_tables
 
     n, dt = 130, _DTYPES[w]
@@ -95,3 +95,10 @@ def _warm_ctx(w: int) -> None:
     kcc.write_codes(target, pos, codes, old)
     kcc.restore_codes(target, pos, old)
     kc.best_split(np.ones(4), np.ones(4) / 2)
+
+
+def warm_up_kernels(tensors, ctx: bool = False) -> None:
+    """Compile (or load) the numba kernels for these tensors' element widths (with ``ctx``, the
+    ``ctx`` encoding's too): numba holds the GIL while compiling, so this belongs in a worker
+    thread before the first use."""
+    warm_up(tuple(sorted({t.element_size() for t in tensors if t.element_size() in _DTYPES})), ctx)

@@ -14,7 +14,7 @@
   refused instead of being applied to the wrong weights.
 * :func:`drift_hash` — the drift check of ``flat`` patches (always on): a 64-bit hash of the
   old bits at a tensor's changed positions, O(changes). The numba kernels compute the same
-  value (:func:`aiosync.syncers.kernels.mix64`); see docs/wire-format.md.
+  value (:func:`aiosync.syncers.kernels.flat.mix64`); see docs/wire-format.md.
 
 Checksums run on the patch hot path only when ``verify_checksums`` is on.
 """
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_name
-from ..errors import PayloadError
+from ...dtypes import dtype_name
+from ...errors import PayloadError
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -10,14 +10,14 @@ change mask given the old values. Value codes (zig-zag of new − old) are coded
 chosen by the old value's exponent. See docs/wire-format.md ("ctx") for the layout.
 
 * :func:`diff_ctx` — the builder: diff a chunk against the snapshot (as
-  :func:`~aiosync.syncers.kernels.diff_encode_flat`), update it, and emit one record per change
+  :func:`~aiosync.syncers.kernels.flat.diff_encode_flat`), update it, and emit one record per change
   (class-local gap, context byte, value code), plus the drift hash and the statistics the next
   build picks its thresholds from; :func:`class_major` joins its per-class gap rows.
 * :func:`count_symbols` — histograms of the records' symbols (the numba builder counts them as
   it records; this is for the torch path).
 
 The rANS coding of the records, their decoding and the receiver's write live in
-:mod:`aiosync.syncers.kernels_ctx_coder`.
+:mod:`aiosync.syncers.kernels.ctx_coder`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .kernels import GROUP_BLOCKS, _flatten, _load, _popcount64, _width, _zigzag, block_mask, mix64
-from .kernels_simd import ge_mask
-from .rans import symbol_of
+from .flat import GROUP_BLOCKS, _flatten, _load, _popcount64, _width, _zigzag, block_mask, mix64
+from .simd import ge_mask
+from .rans import NSYM, normalize, symbol_of
 
 N_CLASSES = 4
 N_VCTX = 16
 N_CONTEXTS = 4 * N_CLASSES + 4 * N_VCTX  # gap tables (width, class), value tables (width, value ctx)
+WIDTH_SLOT = {1: 0, 2: 1, 4: 2, 8: 3}  # element width (bytes) -> its slot in the context tables
 SEGMENT = 1 << 22  # elements per independently coded segment of a tensor (a format constant)
 BINS = 256  # exponent bins of the statistics
 #: A build expecting at least ``SAMPLE_MIN`` changes (its tensors' changes in the previous build)
@@ -84,7 +85,7 @@ def diff_ctx(src, snap, fused, thr, mm, stat, rec_gap, rec_ctx, rec_z, counts, h
              wslot, every):  # pragma: no cover
     """Diff one segment, update ``snap``, record every change in position order.
 
-    ``src``/``snap``/``fused`` as in :func:`~aiosync.syncers.kernels.diff_update`; ``thr`` holds
+    ``src``/``snap``/``fused`` as in :func:`~aiosync.syncers.kernels.flat.diff_update`; ``thr`` holds
     the three class thresholds and ``mm`` (a one-element array) the magnitude mask, both in
     ``snap``'s dtype. ``stat`` = ``(mant_bits, bias, vtop)``. Change ``k`` gets
     ``rec_ctx[k] = class | value_ctx << 2`` and ``rec_z[k]`` (its zig-zag value code); its gap
@@ -239,3 +240,42 @@ def count_symbols(rec_gap, counts, rec_ctx, rec_z, wslot, hist):  # pragma: no c
         v = np.int64(rec_ctx[i] >> 2)
         sv, _ = symbol_of(np.uint64(rec_z[i]) - np.uint64(1))
         hist[4 * N_CLASSES + wslot * N_VCTX + v, sv] += 1
+
+
+# ------------------------------------------------------------------- the coding tables
+def build_tables(hists: list[np.ndarray], complete: set[int] = frozenset()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(context ids in use, their frequencies, context → table row map)`` from symbol counts.
+
+    ``complete`` names width slots whose counts are a sample: every context of such a width
+    gets a table, and every symbol its records can hold one more count, so that no change
+    the sample missed lacks a code (on the bench: 0.15 kB more tables, 0.003 B/changed in all).
+    """
+    total = hists[0].copy()
+    for h in hists[1:]:
+        total += h
+    for w in complete:
+        gaps, values = _context_rows(w)
+        total[gaps, :_SYMBOLS_GAP] += 1
+        total[values, :_symbols_value(w)] += 1
+    used = np.nonzero(total.sum(axis=1))[0]
+    freqs = np.zeros((max(1, used.size), NSYM), np.int64)
+    for row, cid in enumerate(used):
+        freqs[row] = normalize(total[cid])
+    tmap = np.full(N_CONTEXTS, -1, np.int64)
+    tmap[used] = np.arange(used.size)
+    return used, freqs, tmap
+
+
+def _context_rows(wslot: int) -> tuple[slice, slice]:
+    """The rows of width slot ``wslot``'s gap tables and value tables."""
+    nc, nv = N_CLASSES, N_VCTX
+    return slice(wslot * nc, (wslot + 1) * nc), slice(4 * nc + wslot * nv, 4 * nc + (wslot + 1) * nv)
+
+
+_SYMBOLS_GAP = int(symbol_of(np.uint64(SEGMENT - 1))[0]) + 1  # gaps lie below a segment
+
+
+def _symbols_value(wslot: int) -> int:
+    """Symbols of a value code minus one: below ``2**(8 * width)``."""
+    width = 1 << wslot
+    return NSYM if width == 8 else int(symbol_of(np.uint64((1 << 8 * width) - 1))[0]) + 1

@@ -65,7 +65,7 @@ def change_mask(typingctx, src, snap, s):
     """Bit ``i`` set where ``src[s + i]`` and ``snap[s + i]`` differ bitwise.
 
     Arrays of one width compare raw bits; fp32 bits against bf16 bits (the builders' fused
-    cast) compare the cast of ``src`` (:func:`~aiosync.syncers.kernels._cast_bf16`). Any other
+    cast) compare the cast of ``src`` (:func:`~aiosync.syncers.kernels.flat._cast_bf16`). Any other
     pair of widths is a typing error: the types decide, so no run-time flag can disagree.
     """
     if not (isinstance(src, types.Array) and isinstance(snap, types.Array)):

@@ -1,7 +1,7 @@
 """Numba kernels of the receiver's staged writes: the patch writer that keeps what it
 overwrites (the write's undo record) and hashes it (the drift check), its undo, and the
-read-only diff and the scatter of :mod:`aiosync.syncers.staging`. Shared pieces (the block
-mask flattening, :func:`~aiosync.syncers.kernels.mix64`) live in :mod:`aiosync.syncers.kernels`.
+read-only diff and the scatter of :mod:`aiosync.syncers.common.staging`. Shared pieces (the block
+mask flattening, :func:`~aiosync.syncers.kernels.flat.mix64`) live in :mod:`aiosync.syncers.kernels.flat`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .kernels import ESCAPE, GROUP_BLOCKS, _flatten, _width, get_exception, get_nibble, get_varint, mix64, unzigzag
+from .flat import ESCAPE, GROUP_BLOCKS, _flatten, _width, get_exception, get_nibble, get_varint, mix64, unzigzag
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -55,7 +55,7 @@ def scatter(target, pos, values, out_old):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def apply_flat_gaps_logged(target, gaps, start, count, packed, nib_off, exc, exc_off, out_old):  # pragma: no cover
     """The flat patch writer. Writes ``count`` changes: positions from the LEB128 gap stream at
-    ``gaps[start:]`` (validated by :func:`~aiosync.syncers.kernels.decode_gaps`), change
+    ``gaps[start:]`` (validated by :func:`~aiosync.syncers.kernels.flat.decode_gaps`), change
     ``i``'s code from nibble ``nib_off + i`` of ``packed`` or, escaped, from ``exc[:, exc_off:]``
     in order. Keeps every overwritten value in ``out_old`` (the write's journal, for
     :func:`restore_gaps`) and returns their drift hash: the sum of :func:`mix64` over the

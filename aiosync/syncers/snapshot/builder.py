@@ -2,7 +2,7 @@
 
 One builder for every placement; only the compare step is device specific:
 
-* CPU source, CPU snapshot — the numba kernel of :mod:`aiosync.syncers.kernels`, run over
+* CPU source, CPU snapshot — the numba kernel of :mod:`aiosync.syncers.kernels.flat`, run over
   cache-sized chunks by a small thread pool (numba and torch release the GIL).
 * CUDA source (snapshot on CUDA, or on CPU in pinned memory: W13) — the same algorithm shape
   in torch ops: compare 64-bit words, refine only the words that differ. With a CPU
@@ -28,30 +28,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..aio import resolve_device
-
-BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype whose elements hold the raw bits of ``dtype``."""
-    size = dtype.itemsize
-    if size not in BITS_DTYPES:
-        raise ValueError(f"dtype {dtype} ({size} bytes per element) is not supported by patch mode")
-    return BITS_DTYPES[size]
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """Reinterpret ``t`` as integers of the same width (bool → uint8); shares storage."""
-    return t.view(bits_dtype(t.dtype))
-
-
-def _np_bits(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a CPU contiguous tensor's bits as an unsigned array."""
-    b = as_bits(t)
-    return b.numpy().view(_NP_UINT[b.element_size()])
-
+from ...aio import resolve_device
+from ..common.bits import NP_UINT, as_bits, np_bits
 
 _FUSED: list[bool] = []
 
@@ -59,7 +37,7 @@ _FUSED: list[bool] = []
 def _fused_cast_ok() -> bool:
     """Whether the fused fp32 → bf16 kernel matches torch's cast here (checked once)."""
     if not _FUSED:
-        from .kernels import fused_cast_matches_torch
+        from ..kernels.flat import fused_cast_matches_torch
 
         _FUSED.append(fused_cast_matches_torch())
     return _FUSED[0]
@@ -141,7 +119,7 @@ class Snapshot:
 
     def bits(self, slot: int) -> np.ndarray:
         """A numpy view of ``slot``'s snapshot bits (CPU snapshots; shares storage)."""
-        return _np_bits(self._snaps[slot])
+        return np_bits(self._snaps[slot])
 
     def pool(self) -> ThreadPoolExecutor:
         """The builder's thread pool (``workers`` threads)."""
@@ -243,7 +221,7 @@ class Snapshot:
         gpu_slots = [i for i in by_slot if i not in set(cpu_slots)]
         if cpu_slots:
             if self.kernel == "torch":  # the CUDA builder's algorithm, on CPU
-                from .snapshot_cuda import diff_groups
+                from .cuda import diff_groups
 
                 pairs = [(by_slot[i].detach().reshape(-1), self._snaps[i]) for i in cpu_slots]
                 for i, (pos, nv, ov) in zip(cpu_slots, diff_groups(pairs)):
@@ -309,13 +287,13 @@ class Snapshot:
             self.scratch_bytes += nbytes
 
     def _chunk(self, src_flat: torch.Tensor, slot: int, start: int, end: int):
-        from .kernels import diff_update
+        from ..kernels.flat import diff_update
 
         snap = self._snaps[slot]
-        np_dtype = _NP_UINT[snap.element_size()]
+        np_dtype = NP_UINT[snap.element_size()]
         cast_buf, out_pos, out_new, out_old = self._buffers(snap.dtype, np_dtype)
         src, fused = self._source(src_flat[start:end], snap, cast_buf)
-        k = diff_update(src, _np_bits(snap)[start:end], fused, out_pos, out_new, out_old, start)
+        k = diff_update(src, np_bits(snap)[start:end], fused, out_pos, out_new, out_old, start)
         if k == 0:
             return None
         return out_pos[:k].copy(), out_new[:k].copy(), out_old[:k].copy()
@@ -330,7 +308,7 @@ class Snapshot:
         if src is None:
             buf = cast_buf[: piece.numel()]
             buf.copy_(piece)
-            src = _np_bits(buf)
+            src = np_bits(buf)
         return src, fused
 
     def _diff_cpu_numba(self, tensors: dict[int, torch.Tensor], slots: list[int]) -> list[TensorDiff]:
@@ -373,7 +351,7 @@ class Snapshot:
             snap = self._snaps[i]
             if flat.numel() != snap.numel():
                 raise ValueError(f"slot {i}: tensor has {flat.numel()} elements, snapshot has {snap.numel()}")
-            sources[i] = (flat, _np_bits(snap), *self._kernel_source(flat, snap))
+            sources[i] = (flat, np_bits(snap), *self._kernel_source(flat, snap))
             n = flat.numel()
             pieces += [(i, start, min(n, start + self.chunk_elems)) for start in range(0, n, self.chunk_elems)]
         outs = self.map_pieces(pieces, lambda i, start, end: self._flat_segment(sources[i], i, start, end))
@@ -381,7 +359,7 @@ class Snapshot:
         for (i, start, _), out in zip(pieces, outs):
             if out is not None:
                 per_slot.setdefault(i, []).append((start, out))
-        from .kernels import varint_bytes
+        from ..kernels.flat import varint_bytes
 
         diffs = []
         for i in sorted(per_slot):
@@ -407,14 +385,14 @@ class Snapshot:
         """The kernel's view of a whole source tensor and whether the kernel casts it
         (fp32 → bf16); ``None`` when torch must cast it chunk by chunk first."""
         if flat.dtype == torch.float32 and snap.dtype == torch.bfloat16 and flat.is_contiguous() and _fused_cast_ok():
-            return _np_bits(flat), True
+            return np_bits(flat), True
         if flat.dtype == snap.dtype and flat.is_contiguous():
-            return _np_bits(flat), False
+            return np_bits(flat), False
         return None, False
 
     def _flat_segment(self, source: tuple, slot: int, start: int, end: int):
         """Diff and encode elements ``[start, end)`` of one tensor (in a worker thread)."""
-        from .kernels import diff_encode_flat
+        from ..kernels.flat import diff_encode_flat
 
         flat, snap_np, src_np, fused = source
         width = snap_np.itemsize
@@ -443,10 +421,10 @@ class Snapshot:
 
     # CUDA: torch ops, prefetch / staging / background write-back (W13) ------------
     def _diff_cuda(self, tensors: dict[int, torch.Tensor], slots: list[int], out_device: torch.device) -> list[TensorDiff]:
-        """Packed groups of tensors (:mod:`.snapshot_cuda`) on the caller's stream; a CPU
+        """Packed groups of tensors (:mod:`aiosync.syncers.snapshot.cuda`) on the caller's stream; a CPU
         snapshot's next group is prefetched (one copy per contiguous run) on one side copy stream
         per device; results are staged to pinned memory once per group."""
-        from .snapshot_cuda import contiguous_run, diff_group, plan, split
+        from .cuda import contiguous_run, diff_group, plan, split
 
         dev = next((t.device for t in tensors.values() if t.is_cuda), None) or next(
             s.device for s in self._snaps if s.is_cuda)

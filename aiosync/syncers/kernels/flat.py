@@ -5,7 +5,7 @@ dtype, or fp32 cast to bf16 on the fly) with the snapshot. Comparing raw bits, n
 makes NaN == NaN when the bits are equal and 0.0 != -0.0 (B2).
 
 The builder kernels run in two passes over each group of 64-element blocks. A branch-free
-compare builds a 64-bit change mask per block (:mod:`.kernels_simd`: one vector compare) and flattens
+compare builds a 64-bit change mask per block (:mod:`aiosync.syncers.kernels.simd`: one vector compare) and flattens
 its set bits into positions with popcount and count-trailing-zeros, with no data-dependent
 branch when a block holds at most four changes (nearly all of them at RL densities). Then
 a loop with a predictable trip count visits only those positions, while their cache lines
@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from .kernels_simd import PREFETCH_BLOCKS, change_mask, prefetch_block
+from .simd import PREFETCH_BLOCKS, change_mask, prefetch_block
 
 
 @intrinsic
@@ -119,7 +119,7 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 def mix64(pos, old):  # pragma: no cover - compiled
     """The drift check's per-change term: splitmix64's finaliser of ``pos × golden XOR old``
-    (``old`` zero-extended). :func:`aiosync.syncers.integrity.drift_hash` is the torch twin."""
+    (``old`` zero-extended). :func:`aiosync.syncers.common.integrity.drift_hash` is the torch twin."""
     x = (np.uint64(pos) * _GOLDEN) ^ np.uint64(old)
     x ^= x >> np.uint64(30)
     x *= _MIX1

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import DriftError, PayloadError
-from . import kernels_ctx as kc
-from . import kernels_ctx_coder as kcc
-from .patch_ctx import N_CONTEXTS, WIDTH_SLOT, ctx_format
-from .rans import NSYM, PROB_SCALE, decoder_tables
+from ....errors import DriftError, PayloadError
+from ...kernels import ctx as kc
+from ...kernels import ctx_coder as kcc
+from ...kernels.ctx import N_CONTEXTS, WIDTH_SLOT
+from .encode import ctx_format
+from ...kernels.rans import NSYM, PROB_SCALE, decoder_tables
 
 _ERRORS = {-1: "ends before its last change (truncated)", -2: "places a change beyond its segment",
            -3: "holds a value code out of range for the dtype", -4: "has bytes left over or a wrong final state",
@@ -46,7 +47,7 @@ class CtxHeader:
 
 
 def _ints(values: torch.Tensor) -> list[int]:
-    from .patch_format import varint_decode
+    from ..format import varint_decode
 
     if not isinstance(values, torch.Tensor) or values.dtype != torch.uint8:
         raise PayloadError("ctx patch model header (values) must be a uint8 tensor of varints")
@@ -55,7 +56,7 @@ def _ints(values: torch.Tensor) -> list[int]:
 
 def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[int]) -> CtxHeader:
     """Read and check the model header of a ``ctx`` patch (see docs/wire-format.md)."""
-    from .patch_bounds import stream_bounds
+    from ..bounds import stream_bounds
 
     most = stream_bounds("ctx", ords, counts, layouts)["values"][1]
     if isinstance(values, torch.Tensor) and values.numel() > most:
@@ -124,12 +125,12 @@ def parse_header(values: torch.Tensor, layouts, ords: list[int], counts: list[in
 def old_bits(t: torch.Tensor) -> np.ndarray:
     """The receiver's bits of ``t`` in row-major order, as a flat unsigned numpy array (a view
     for contiguous CPU tensors, else a copy)."""
-    from .snapshot import _np_bits
+    from ...common.bits import np_bits
 
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.contiguous().cpu()
-    return _np_bits(t.reshape(-1))
+    return np_bits(t.reshape(-1))
 
 
 def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list[torch.Tensor],
@@ -142,7 +143,7 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
     head = parse_header(patch.values, layouts, ords, counts)
     if patch.gap_bytes is None:
         raise PayloadError("ctx patch lacks gap_bytes (the bytes of each segment's stream)")
-    from .patch_format import _int_tensor
+    from ..format import _int_tensor
 
     seg_bytes = _int_tensor(patch.gap_bytes, "gap_bytes").cpu().tolist()
     want = sum(c.shape[0] for c in head.counts)
@@ -196,9 +197,9 @@ def decode_ctx(patch, layouts, ords: list[int], counts: list[int], targets: list
 
 def decode_ctx_patch(patch, layouts, target_of, pool=None) -> list:
     """Validate a ``ctx`` patch and decode it against the receiver's tensors (``target_of(ordinal)``
-    returns the tensor, checked against its layout); :class:`~aiosync.syncers.patch_format.DecodedTensor`
+    returns the tensor, checked against its layout); :class:`~aiosync.syncers.patch.format.DecodedTensor`
     per changed tensor, in ordinal order."""
-    from .patch_format import DecodedTensor, _check_header
+    from ..format import DecodedTensor, _check_header
 
     ords, counts = _check_header(patch, layouts)
     targets = [target_of(o) for o in ords]

@@ -7,9 +7,9 @@ on every rank and belongs to shard 0. Each rank keeps the snapshot of its own pi
 and encodes them itself: no rank materialises another rank's data, and sender memory and build
 time scale with a rank's shard, not with the model (docs/performance.md).
 
-A shard is a model of its own (:mod:`.shard_layout`): its pieces on the sender, the same rows
+A shard is a model of its own (:mod:`aiosync.syncers.patch.shard_layout`): its pieces on the sender, the same rows
 of the receiver's tensors on the receiver, and the receiver metadata of those rows. So a shard's sender is an ordinary
-:class:`~aiosync.syncers.patch.PatchWeightSyncer` over the rank's local pieces — its ordinals,
+:class:`~aiosync.syncers.patch.syncer.PatchWeightSyncer` over the rank's local pieces — its ordinals,
 positions, drift hashes and bootstrap buckets are those of the piece — and the receiver writes
 each shard through views of its full tensors.
 
@@ -23,8 +23,8 @@ each shard through views of its full tensors.
   each shard's bootstrap in turn (relayed a bucket at a time), and per version one
   :class:`ShardedPatch` whose shards are :class:`~aiosync.messages.Shared` parts — a rank's
   patch is encoded once, on that rank, and relayed as the bytes it came in.
-* The receiver (:mod:`.patch_receiver`: :func:`~.patch_receiver.receiver_shards`,
-  :class:`~.patch_receiver.ShardedWrite`) is a :class:`PatchWeightSyncer` whose hello has
+* The receiver (:mod:`aiosync.syncers.patch.receiver`: :func:`~aiosync.syncers.patch.receiver.receiver_shards`,
+  :class:`~aiosync.syncers.patch.receiver.ShardedWrite`) is a :class:`PatchWeightSyncer` whose hello has
   ``shards``: every shard is validated on its own, then all are written in one exclusive
   section with one undo journal — a version is applied only when every shard of it is in,
   all-or-nothing.
@@ -40,15 +40,15 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import hold_all
-from ..errors import ConfigError, HandshakeError, PatchChainError, PayloadError
-from ..messages import RecvFn, SendFn, Shared, payload_nbytes
-from .base import SyncStatistics, WeightSyncer, recv_with_timeout
-from .bucket_format import check_version
-from .patch_handshake import check_metadata, is_int
+from ...aio import hold_all
+from ...errors import ConfigError, HandshakeError, PatchChainError, PayloadError
+from ...messages import RecvFn, SendFn, Shared, payload_nbytes
+from ..base import SyncStatistics, WeightSyncer, recv_with_timeout
+from ..bucket.format import check_version
+from .handshake import check_metadata, is_int
 from .shard_layout import shard_layout, shard_metadata, shard_rows
-from .payloads import (EmptyWeightPatch, ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop, ShardedPatch,
-                       ShardHello, ShardInit)
+from ..common.payloads import (EmptyWeightPatch, ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop,
+    ShardedPatch, ShardHello, ShardInit)
 
 #: Scratch of a shard's builder, as a fraction of its elements (bounded to [64 Ki, 4 Mi] elements
 #: per chunk): sender memory stays about one shard snapshot.

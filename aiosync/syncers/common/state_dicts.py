@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ..errors import ConfigError, HandshakeError
+from ...errors import ConfigError, HandshakeError
 
 
 def collect_param_names_need_sync(module: torch.nn.Module) -> list[str]:
@@ -69,7 +69,7 @@ _GATHERED = [0]
 def gathered_bytes() -> int:
     """Bytes of other ranks' shards this process gathered so far (:func:`materialize` of
     DTensors): what a sharded trainer's syncs cost in memory when they do not stay
-    shard-local (:mod:`aiosync.syncers.shards`)."""
+    shard-local (:mod:`aiosync.syncers.patch.shards`)."""
     return _GATHERED[0]
 
 

@@ -1,6 +1,6 @@
 """Bucket mode (W16): whole tensors, grouped into buckets of at most ``bucket_size`` bytes.
 
-The bucket format (metadata entries, manifest, validation) lives in :mod:`.bucket_format`.
+The bucket format (metadata entries, manifest, validation) lives in :mod:`aiosync.syncers.bucket.format`.
 The receiver stages (F3): each bucket is validated and planned against the model (cast to
 its dtypes, compared bit for bit, read only) as it arrives; the
 :class:`~aiosync.syncers.base.StagedWrite` then writes only the elements that changed, with a
@@ -16,16 +16,17 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import resolve_device, run_sync
-from ..dtypes import dtype_from_name, dtype_name
-from ..errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
-from ..messages import RecvFn, SendFn, payload_nbytes, unshare
-from .base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
-from .bucket_format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys,
-                            check_version, iter_named_tensor_buckets, seal_bucket)
-from .config import BucketConfig
-from .staging import FullStateWrite, Journal, commit_write, held_bytes, warm_up_kernels
-from .state_dicts import module_state_dict, select_sync_names
+from ...aio import resolve_device, run_sync
+from ...dtypes import dtype_from_name, dtype_name
+from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
+from ...messages import RecvFn, SendFn, payload_nbytes, unshare
+from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
+    iter_named_tensor_buckets, seal_bucket)
+from ..config import BucketConfig
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
+from ..kernels.warmup import warm_up_kernels
+from ..common.state_dicts import module_state_dict, select_sync_names
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
 

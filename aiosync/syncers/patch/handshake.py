@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_from_name, dtype_name
-from ..errors import HandshakeError
-from .indexing import as_coo_2d_view, coo_2d_shape
-from .patch_format import TensorLayout
-from .payloads import ReceiverMetadata, SenderHello
-from .state_dicts import alias_groups
+from ...dtypes import dtype_from_name, dtype_name
+from ...errors import HandshakeError
+from ..common.indexing import as_coo_2d_view, coo_2d_shape
+from .format import TensorLayout
+from ..common.payloads import ReceiverMetadata, SenderHello
+from ..common.state_dicts import alias_groups
 
 
 def is_int(x: Any) -> bool:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_from_name, dtype_name
-from ..errors import AiosyncError, ChecksumError, HandshakeError, PayloadError, VersionError
-from .integrity import bucket_checksum, decode_manifest, encode_manifest
-from .state_dicts import is_dtensor, materialize
+from ...dtypes import dtype_from_name, dtype_name
+from ...errors import AiosyncError, ChecksumError, HandshakeError, PayloadError, VersionError
+from ..common.integrity import bucket_checksum, decode_manifest, encode_manifest
+from ..common.state_dicts import is_dtensor, materialize
 
 META_PREFIX = "__aiosync__."
 VERSION_KEY = META_PREFIX + "version"

@@ -2,8 +2,8 @@
 outside the exclusive section (decompression and decoding included; the model is not
 touched), :func:`write_patch` writes it inside.
 
-A sharded sender's patch (:class:`~aiosync.syncers.payloads.ShardedPatch`, see
-:mod:`.shards`) is prepared shard by shard against views of the receiver's tensors on that
+A sharded sender's patch (:class:`~aiosync.syncers.common.payloads.ShardedPatch`, see
+:mod:`aiosync.syncers.patch.shards`) is prepared shard by shard against views of the receiver's tensors on that
 shard's rows, and written in one pass over every shard with one undo record
 (:func:`prepare_patch` and :func:`write_patch` take both kinds).
 
@@ -22,19 +22,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..aio import finish_cuda_work
-from ..errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
-from ..messages import payload_nbytes, unshare
-from .bucket_format import check_version
+from ...aio import finish_cuda_work
+from ...errors import AiosyncError, ChecksumError, DriftError, PatchChainError, PayloadError, VersionError
+from ...messages import payload_nbytes, unshare
+from ..bucket.format import check_version
 from .codecs import decompress_patch
-from .indexing import as_coo_2d_view, coo_2d_shape
-from .integrity import drift_hash, read_checksums, tensor_checksum
-from .patch_format import DecodedTensor, TensorLayout, _check_header, _int_tensor, decode_patch
-from .patch_handshake import is_int
-from .payloads import CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, Stamped, WeightPatch
+from ..common.indexing import as_coo_2d_view, coo_2d_shape
+from ..common.integrity import drift_hash, read_checksums, tensor_checksum
+from .format import DecodedTensor, TensorLayout, _check_header, _int_tensor, decode_patch
+from .handshake import is_int
+from ..common.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, Stamped,
+    WeightPatch)
 from .shard_layout import shard_metadata, shard_views, tiling_problem
-from .snapshot import _np_bits, as_bits
-from .staging import Journal
+from ..common.bits import np_bits, as_bits
+from ..common.staging import Journal
 
 _MASK64 = (1 << 64) - 1
 
@@ -168,8 +169,8 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
 
 
 def _decode_ctx(payload: WeightPatch, state: ReceiverState, target: Mapping[str, torch.Tensor]) -> list[DecodedTensor]:
-    from .patch_ctx_decode import decode_ctx_patch
-    from .patch_format import _codec_pool
+    from .ctx.decode import decode_ctx_patch
+    from .format import _codec_pool
 
     return decode_ctx_patch(payload, state.layouts, lambda o: check_target(target, state.keys[o], state.layouts[o]),
                             _codec_pool())
@@ -293,7 +294,7 @@ def _write_parallel(jobs: list[_Job]) -> None:
     import os
     from concurrent.futures import wait
 
-    from .patch_format import _codec_pool
+    from .format import _codec_pool
 
     n_groups = max(1, min(len(jobs), os.cpu_count() or 1, _codec_pool()._max_workers))
     total = sum(j.d.count for j in jobs) or 1
@@ -310,17 +311,17 @@ def _write_parallel(jobs: list[_Job]) -> None:
 
 def _write_one(job: _Job) -> None:
     if job.fast and job.d.zcodes is not None:
-        from .kernels_ctx_coder import write_codes
+        from ..kernels.ctx_coder import write_codes
 
         d = job.d
-        job.np_target = _np_bits(job.t.view(-1))
+        job.np_target = np_bits(job.t.view(-1))
         job.old = np.empty(d.count, job.np_target.dtype)
         job.old_hash = int(write_codes(job.np_target, d.positions.numpy(), d.zcodes, job.old))
     elif job.fast:
-        from .kernels_write import apply_flat_gaps_logged
+        from ..kernels.write import apply_flat_gaps_logged
 
         d = job.d
-        job.np_target = _np_bits(job.t.view(-1))
+        job.np_target = np_bits(job.t.view(-1))
         job.old = np.empty(d.count, job.np_target.dtype)
         job.old_hash = int(apply_flat_gaps_logged(job.np_target, d.gaps, d.gap_start, d.count, d.payload.numpy(),
                                                   d.nib_off, d.exceptions.numpy(), d.exc_off, job.old))
@@ -331,11 +332,11 @@ def _write_one(job: _Job) -> None:
 
 def _undo(job: _Job) -> Callable[[], None]:
     if job.fast and job.d.zcodes is not None:
-        from .kernels_ctx_coder import restore_codes
+        from ..kernels.ctx_coder import restore_codes
 
         return lambda: restore_codes(job.np_target, job.d.positions.numpy(), job.old)
     if job.fast:
-        from .kernels_write import restore_gaps
+        from ..kernels.write import restore_gaps
 
         return lambda: restore_gaps(job.np_target, job.d.gaps, job.d.gap_start, job.d.count, job.old)
     return lambda: job.view.__setitem__(job.index, job.old)
@@ -362,8 +363,8 @@ def receiver_shards(state_dict: Mapping[str, torch.Tensor], meta: ReceiverMetada
     """The shards of a sharded sender's hello, checked against this receiver (structure,
     ordinals, and that every key's pieces cover its rows exactly once: a
     :class:`~aiosync.errors.HandshakeError` otherwise)."""
-    from ..errors import HandshakeError
-    from .patch_handshake import receiver_layouts
+    from ...errors import HandshakeError
+    from .handshake import receiver_layouts
 
     if not isinstance(table, list) or not table:
         raise HandshakeError("the sender's shard table is malformed: not a non-empty list")
@@ -420,7 +421,7 @@ def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None,
 @dataclass
 class ShardedWrite:
     """A bootstrap of several shards into one model: ``parts`` are ``(rows, plan)`` pairs whose
-    :class:`~aiosync.syncers.staging.FullStateWrite` plans work on :func:`shard_views` of the
+    :class:`~aiosync.syncers.common.staging.FullStateWrite` plans work on :func:`shard_views` of the
     target; :meth:`check` / :meth:`write` as a FullStateWrite's."""
 
     parts: list
