@@ -13,7 +13,6 @@ import shlex
 import subprocess
 
 import pytest
-
 from docs_text import DOCS, ROOT, Block, blocks, headings, paragraphs, read
 
 PYTHON = ("python", "py")
@@ -36,7 +35,7 @@ def import_problems(code: str) -> list[str]:
         else:
             continue
         for module, name in pairs:
-            if not module.split(".")[0] == "aiosync":
+            if module.split(".")[0] != "aiosync":
                 continue
             try:
                 mod = importlib.import_module(module)
@@ -56,7 +55,8 @@ def block_problems(doc: str, text: str) -> list[str]:
     for b in blocks(text, doc):
         if b.lang not in PYTHON:
             if b.mark:
-                problems.append(f"{b.where}: `{b.mark}` marks a {b.lang or 'plain'} block; only Python blocks are marked")
+                problems.append(f"{b.where}: `{b.mark}` marks a {b.lang or 'plain'} block; "
+                                "only Python blocks are marked")
             continue
         if b.mark is None:
             problems.append(f"{b.where}: unmarked Python block: put `<!-- runnable -->` or "
@@ -65,7 +65,8 @@ def block_problems(doc: str, text: str) -> list[str]:
             problems.append(f"{b.where}: `signature` blocks are checked in docs/api.md only")
         elif b.mark == "fragment":
             if not b.target:
-                problems.append(f"{b.where}: a fragment names the program that runs it: `<!-- fragment: examples/x.py -->`")
+                problems.append(f"{b.where}: a fragment names the program that runs it: "
+                                "`<!-- fragment: examples/x.py -->`")
                 continue
             if not b.target.endswith(".py") or not (ROOT / b.target).is_file():
                 problems.append(f"{b.where}: the fragment points to {b.target}, which does not exist")
@@ -83,7 +84,7 @@ def block_problems(doc: str, text: str) -> list[str]:
 def run_block(block: Block) -> dict:
     """Run one runnable block as a script of its own; returns its namespace."""
     namespace = {"__name__": "__main__", "__file__": block.where}
-    exec(compile(block.text, block.where, "exec", dont_inherit=True), namespace)
+    exec(compile(block.text, block.where, "exec", dont_inherit=True), namespace)  # noqa: S102 - the docs' own code
     return namespace
 
 
@@ -102,13 +103,26 @@ def test_runnable_block_runs(block):
 
 
 def test_the_checks_fail_on_unmarked_blocks_missing_programs_and_bad_fragments():
-    text = "\n".join([
-        "```python", "x = 1", "```",
-        "<!-- fragment: examples/no_such_example.py -->", "```python", "x = 1", "```",
-        "<!-- fragment: examples/quickstart.py -->", "```python", "f(a, *, b=1)", "```",
-        "<!-- fragment: examples/quickstart.py -->", "```python", "from aiosync.coordination import NoSuchName", "```",
-        "<!-- fragment: examples/quickstart.py -->", "```python", "await sync.drain()", "```",
-    ])
+    text = """```python
+x = 1
+```
+<!-- fragment: examples/no_such_example.py -->
+```python
+x = 1
+```
+<!-- fragment: examples/quickstart.py -->
+```python
+f(a, *, b=1)
+```
+<!-- fragment: examples/quickstart.py -->
+```python
+from aiosync.coordination import NoSuchName
+```
+<!-- fragment: examples/quickstart.py -->
+```python
+await sync.drain()
+```
+"""
     problems = block_problems("t.md", text)
     assert len(problems) == 4, problems
     assert "t.md:1: unmarked Python block" in problems[0]
@@ -158,7 +172,8 @@ def test_every_aiosync_command_shown_parses():
 
 
 def _repo_files() -> set[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
     return set(out.split())
 
 

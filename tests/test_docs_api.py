@@ -18,8 +18,19 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from docs_text import (KW_MARK, OPEN, POS_MARK, ROOT, VAR_KW, VAR_POS, Written, blocks, heading_at, paragraphs,
-                       parse_written)
+from docs_text import (
+    KW_MARK,
+    OPEN,
+    POS_MARK,
+    ROOT,
+    VAR_KW,
+    VAR_POS,
+    Written,
+    blocks,
+    heading_at,
+    paragraphs,
+    parse_written,
+)
 
 API = ROOT / "docs" / "api.md"
 IMPORTS = "Where each name imports from"
@@ -244,7 +255,7 @@ def signature_problems(written: Written, owner: Any, obj: Any, page: Page) -> li
                 wrong.append(f"`{name}` has no default")
             elif default not in (None, "...") and p.default is not P.empty:
                 try:
-                    value = eval(default, {"__builtins__": {}}, _Defaults(page))  # noqa: S307 - the docs' own text
+                    value = eval(default, {"__builtins__": {}}, _Defaults(page))
                 except Exception as exc:  # noqa: BLE001 - any failure to read a default is a doc problem
                     wrong.append(f"`{name}`'s default `{default}` cannot be read ({exc!r}); write `{name}=...`")
                     continue
@@ -268,6 +279,36 @@ def _heading_class(page: Page, heading: str) -> list[type]:
     return []
 
 
+def _span_problems(page: Page, span: str, classes: list[type], callbacks: set[str], is_block: bool) -> list[str]:
+    """What is wrong with one code span; the class it names goes first in ``classes`` (the
+    context of the spans after it)."""
+    written = parse_written(span)
+    head = span.split(".")[0]
+    if written is not None:
+        def find():
+            return page.resolve(written.target, classes, callbacks)
+    elif DOTTED.fullmatch(span) and (head in page.table or head in RECEIVERS or head in sys.modules):
+        def find():  # `PolicySlot.apply`, `sync.trainer`, `torch.cuda.Event`: it exists
+            return page.resolve(span, classes, set())
+    elif CAMEL.fullmatch(span) and not hasattr(builtins, span):
+        def find():
+            return None, page.named(span)
+    else:
+        return []
+    try:
+        owner, obj = find()
+    except LookupError:
+        return []
+    except Unresolved as exc:
+        return [str(exc)]
+    if inspect.isclass(obj) or inspect.isclass(owner):
+        classes.insert(0, obj if inspect.isclass(obj) else owner)
+    if written is None or written.params is None:
+        return []
+    problems = [f"`{span}` in a signature block is not a signature"] if is_block and not written.is_signature else []
+    return problems + signature_problems(written, owner, obj, page)
+
+
 def page_problems(text: str, doc: str = "docs/api.md") -> list[str]:
     """Every name and signature of the page ``text`` checked against the code."""
     page = Page(import_table(text))
@@ -284,49 +325,10 @@ def page_problems(text: str, doc: str = "docs/api.md") -> list[str]:
             if written is not None and written.is_signature:
                 callbacks.setdefault(heading, set()).update(p.name for p in written.params)
     for heading, line, _, spans, is_block in units:
-        where = f"{doc}:{line}"
         classes = _heading_class(page, heading)
         for span in spans:
-            written = parse_written(span)
-            if written is None:
-                head = span.split(".")[0]
-                if DOTTED.fullmatch(span) and (head in page.table or head in RECEIVERS or head in sys.modules):
-                    try:  # `PolicySlot.apply`, `sync.trainer`, `torch.cuda.Event`: exists; a class gives context
-                        _, obj = page.resolve(span, classes, set())
-                    except LookupError:
-                        continue
-                    except Unresolved as exc:
-                        problems.append(f"{where}: {exc}")
-                        continue
-                    if inspect.isclass(obj):
-                        classes.insert(0, obj)
-                    continue
-                if CAMEL.fullmatch(span) and not hasattr(builtins, span):
-                    try:
-                        obj = page.named(span)
-                    except LookupError:
-                        continue
-                    except Unresolved as exc:
-                        problems.append(f"{where}: {exc}")
-                        continue
-                    if inspect.isclass(obj):
-                        classes.insert(0, obj)
-                continue
-            if is_block and not written.is_signature and written.params is not None and written.params:
-                problems.append(f"{where}: `{span}` in a signature block is not a signature")
-            try:
-                owner, obj = page.resolve(written.target, classes, callbacks.get(heading, set()))
-            except LookupError:
-                continue
-            except Unresolved as exc:
-                problems.append(f"{where}: {exc}")
-                continue
-            if inspect.isclass(obj):
-                classes.insert(0, obj)
-            elif inspect.isclass(owner):
-                classes.insert(0, owner)
-            if written.params is not None:
-                problems += [f"{where}: {p}" for p in signature_problems(written, owner, obj, page)]
+            problems += [f"{doc}:{line}: {p}" for p in
+                         _span_problems(page, span, classes, callbacks.get(heading, set()), is_block)]
     return problems
 
 
@@ -362,8 +364,8 @@ def test_the_api_check_fails_on_wrong_imports_names_and_signatures():
     problems = page_problems(text, "t.md")
     expected = ["`StatusCell` is not in `aiosync.__all__`",
                 "loop_lag_interval=0.002)`: leaves out `fan_out`",
-                "`ShardPeer(model, transport, rank=None, *, names=None, timeout=600.0)`: other parameters, order or "
-                "keyword-only marks",
+                ("`ShardPeer(model, transport, rank=None, *, names=None, timeout=600.0)`: other parameters, order or "
+                 "keyword-only marks"),
                 "`sync.drain(timeout=1)`: `timeout`'s default is None, not `1`",
                 "`apply(write, *, nope=None)`: other parameters, order or keyword-only marks",
                 "`NoSuchThing` is not in the import table",
