@@ -70,6 +70,14 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
     current: dict[str, Any] = {}
     attaching: list = []
     trainer_done = anyio.Event()
+    #: Explorers that have yet to re-attach once (a trainer faster than its explorers waits for
+    #: them at the end, so every run cancels attaches); ``wake`` when it or ``attaching`` changes.
+    pending_reattach: set[str] = {f"e{i}" for i in range(n_explorers) if REATTACH_EVERY + 3 * i <= sc.steps}
+    wake = [anyio.Event()]
+
+    def notify() -> None:
+        wake[0].set()
+        wake[0] = anyio.Event()
     sync = Synchronizer(config, syncer, transport_factory=make_link)
     guard = sc.sync_timeout + sc.delivery_timeout  # a retry that takes longer is a failure
 
@@ -90,9 +98,11 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
                                  "trainer_step": sync.trainer.step, "status": ex.status.name,
                                  "requests": len(ex._requests), "delivering": ex._delivering}
 
-    async def budgeted(what: str, fn, *args) -> bool:
-        """Call ``fn`` under a random budget; True when it was cancelled (then it was retried)."""
-        budget = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, sc.cancel_max_s)
+    async def budgeted(what: str, fn, *args, budget: float | None = None) -> bool:
+        """Call ``fn`` under a random budget (or ``budget``); True when it was cancelled (then it
+        is made again)."""
+        if budget is None:
+            budget = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, sc.cancel_max_s)
         with anyio.move_on_after(budget) as scope:
             await fn(*args)
         if not scope.cancelled_caught:
@@ -123,7 +133,8 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
 
     async def attach_budgeted(name: str, slot: Any) -> Any:
         """``attach_explorer`` under a random budget, made again when it was cancelled."""
-        if await budgeted("attach_explorer", attach_once, name, slot):
+        first = name in pending_reattach  # an explorer's first re-attach is always cancelled once
+        if await budgeted("attach_explorer", attach_once, name, slot, budget=0.0 if first else None):
             r["attach_cancels"] += 1
             await retry("attach_explorer", attach_once, name, slot)
         return attached.pop(name, None)
@@ -133,10 +144,18 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
             return await attach_budgeted(name, slot)
         done, box = anyio.Event(), []  # NCCL: at the trainer's check point (the live tensors do not change)
         attaching.append((name, slot, done, box))
+        notify()
         await done.wait()
         return box[0]
 
     async def explorer_loop(name: str) -> None:
+        try:
+            await explore(name)
+        finally:
+            pending_reattach.discard(name)
+            notify()
+
+    async def explore(name: str) -> None:
         cache: dict = {}
         ex = current[name]
         next_reattach = REATTACH_EVERY + 3 * int(name[1:])
@@ -173,7 +192,15 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
                     return
                 current[name] = ex
                 r["reattached"] += 1
+                pending_reattach.discard(name)
+                notify()
         await ex.stop()
+
+    async def serve_joiners() -> None:
+        while attaching:  # NCCL joiners, served where the live tensors do not change
+            name, slot, done, box = attaching.pop(0)
+            box.append(await attach_budgeted(name, slot))
+            done.set()
 
     async def trainer_loop(trainer: Any) -> None:
         try:
@@ -182,12 +209,14 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
                 await anyio.sleep(sc.step_time)
                 if await budgeted("trainer.step_done", trainer.step_done) and trainer.step < step:
                     await retry("trainer.step_done", trainer.step_done)  # not counted: the same check point
-                while attaching:  # NCCL joiners, served where the live tensors do not change
-                    name, slot, done, box = attaching.pop(0)
-                    box.append(await attach_budgeted(name, slot))
-                    done.set()
+                await serve_joiners()
                 for name in list(current):
                     stale(name)
+            with anyio.move_on_after(guard):  # every explorer re-attaches once before the end
+                while pending_reattach:
+                    await serve_joiners()
+                    if pending_reattach:
+                        await wake[0].wait()
             await trainer.stop()
         finally:
             trainer_done.set()
