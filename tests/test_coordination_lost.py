@@ -244,7 +244,7 @@ async def test_an_explorer_on_a_wire_whose_synchronizer_closed_is_told_so_at_onc
                 async with Explorer("e0", rollout_model(), b) as first:
                     await trainer.stop()
                 assert first.version == 0 and first.error is None
-        with pytest.raises(EndOfStream, match="nobody serves this wire.*has closed"):
+        with pytest.raises(EndOfStream, match="nobody serves this wire — the synchronizer .*closed"):
             async with Explorer("e0", rollout_model(), b, connect_timeout=2 * HANG_GUARD):
                 pass
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ from .sources import HISTORY
 from .states import RunningStatus, StatusCell
 
 log = logging.getLogger("aiosync.sync")
+
+#: Wires whose synchronizer closed (the reason of its closing Close): nobody serves them any
+#: more, so an explorer that joins on one fails at once, saying why.
+_UNSERVED_WIRES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: Outcomes of a request that count as a successful sync (EXPLORER_DRIVEN counts steps from it).
 _SUCCESS = ("delivered", "up_to_date", "trainer_stopped")
@@ -246,6 +251,10 @@ class ExplorerEnd:
                 await tg.__aexit__(None, None, None)  # the body's exception is not the task group's
 
     async def _join(self, tg: Any) -> None:
+        closed = _UNSERVED_WIRES.get(self.transport)
+        if closed is not None:
+            raise EndOfStream(f"explorer {self.name}: nobody serves this wire — {closed[len(UNSERVED):].strip()} "
+                              "at the end of this wire's last session; join a synchronizer that serves it")
         tg.start_soon(self._hello)  # the answer may come first: a wire nobody serves any more
         with anyio.move_on_after(self.connect_timeout):
             await self._welcomed.wait()
@@ -347,6 +356,9 @@ class ExplorerEnd:
                     self._welcomed.set()
                     if msg.reason.startswith(UNSERVED):  # nobody reads this wire: nothing to answer
                         return
+                if msg.reason.startswith(UNSERVED):  # the synchronizer closed: nobody serves this wire any more
+                    with contextlib.suppress(TypeError):
+                        _UNSERVED_WIRES[self.transport] = msg.reason
                 if msg.reason.startswith("lost:"):
                     reason = msg.reason[len("lost:"):].strip()
                     self.error = ExplorerLostError(f"the synchronizer declared explorer {self.name} lost: {reason}",

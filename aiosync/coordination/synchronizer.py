@@ -150,7 +150,9 @@ class Synchronizer:
                 except DrainError as err:
                     drain_error = err
         finally:
-            reason = "synchronizer closed" if exc_type is None else f"trainer failed: {exc!r}"
+            # Explorers remember it of their wire: one that joins there again fails at once.
+            reason = f"{UNSERVED} the synchronizer closed" if exc_type is None else \
+                f"{UNSERVED} the synchronizer closed: the trainer failed: {exc!r}"
             await self._close_sessions(reason, timeout=min(self.config.sync_timeout, 30.0) if drained else 5.0)
             if self.hub.shard_peers is not None:
                 await self.hub.shard_peers.close(reason)
@@ -378,8 +380,7 @@ class Synchronizer:
                 hello = session.next_hello
         finally:
             if intact and self._closing:
-                with anyio.CancelScope(shield=True):
-                    await _leave_unserved(transport)
+                _leave_unserved(transport)
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` explorers are attached (in this process or others) and not
@@ -509,18 +510,17 @@ async def _close(session: ExplorerSession, reason: str, timeout: float) -> None:
     await session.close(reason, timeout=timeout)
 
 
-async def _leave_unserved(wire: Transport) -> None:
-    """The last word on a wire this synchronizer served: an explorer that joins on it later
-    reads it at once and fails saying why, instead of waiting for an answer that never comes.
-    Posted without waiting for a reader (``send_nowait``) where the wire can; else a bounded send."""
-    msg = Close(None, f"{UNSERVED} the synchronizer that served this wire (serve_remote) has closed; nobody "
-                      "answers on it any more — join a synchronizer that serves it")
+def _leave_unserved(wire: Transport) -> None:
+    """The last word on a wire this synchronizer served, where the wire buffers it
+    (``send_nowait``: in-process wires): an explorer that joins on it later reads it at once
+    and fails saying why. Not on point-to-point wires that rendezvous (gloo): a send nobody
+    reads must not be left pending at the process's exit — there an explorer remembers the
+    closing Close of its last session instead."""
+    nowait = getattr(wire, "send_nowait", None)
+    if nowait is None:
+        return
     try:
-        nowait = getattr(wire, "send_nowait", None)
-        if nowait is not None:
-            nowait(msg)
-        else:
-            with anyio.move_on_after(1.0):
-                await wire.send(msg)
+        nowait(Close(None, f"{UNSERVED} the synchronizer that served this wire (serve_remote) has closed; "
+                           "nobody answers on it any more — join a synchronizer that serves it"))
     except (AiosyncError, OSError) as exc:  # a broken or full wire: its explorer learns it its own way
         log.debug("aiosync: could not leave the closing word on a wire: %s", exc)

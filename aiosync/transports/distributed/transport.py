@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ...aio import bind_cuda
-from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError, WouldBlock
+from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
-from .wire import MAX_MESSAGE_BYTES, Frame, Prefix, allocate_frame, decode_doc, encode_cached, encode_message, \
-    read_header
+from .wire import MAX_MESSAGE_BYTES, Frame, Prefix, allocate_frame, decode_doc, encode_cached, read_header
 
 __all__ = ["DistributedTransport", "DistributedTransportStatistics", "DEFAULT_TAG"]
 
@@ -132,7 +131,6 @@ class DistributedTransport(Transport):
     #: Receives bodies that do not come point to point (a multicast round: :mod:`.multicast`).
     router: Any = None
     _unread: Any = field(default=None, repr=False)
-    _posted: list = field(default_factory=list, repr=False)
     _ctrl_threaded: bool = field(default=True, repr=False)
     _data_threaded: bool = field(default=True, repr=False)
 
@@ -277,27 +275,6 @@ class DistributedTransport(Transport):
             await self._await(op, deadline, op.what)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += frame.prefix.nbytes + sum(b.numel() for b in bodies)
-
-    def send_nowait(self, payload: Any) -> None:
-        """Post one small message (no device or detached bodies) without waiting for the peer to
-        read it: it goes whenever the peer receives — a last word to a peer that may read only
-        much later, or never. Raises :class:`~aiosync.errors.WouldBlock` while another send is in
-        progress (its frame must not be split), :class:`ValueError` for a message with bodies."""
-        self._check()
-        if self._send_lock.locked():
-            raise WouldBlock(f"a send to rank {self.peer} is in progress")
-        frame = encode_message(payload, self.device)
-        if frame.device is not None or frame.detached:
-            raise ValueError(f"send_nowait takes small messages only; {type(payload).__name__} has tensor bodies")
-        prefix, header = frame.prefix.tensor(), frame.header_tensor()
-        if self.device is not None and not self._ctrl_threaded:
-            prefix, header = prefix.to(self.device), header.to(self.device)
-        ops = [self._post(dist.isend, prefix, what="send (prefix)"), self._post(dist.isend, header, what="send (header)")]
-        if frame.host is not None:
-            ops.append(self._post(dist.isend, frame.host, what="send (host body)"))
-        self._posted = ops  # kept alive until the peer reads them
-        self.stats.messages_sent += 1
-        self.stats.bytes_sent += frame.prefix.nbytes
 
     @property
     def send_lock(self) -> anyio.Lock:
