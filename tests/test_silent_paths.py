@@ -56,3 +56,30 @@ async def test_an_nccl_joiner_between_syncs_holds_the_version_it_reports(syncer)
         assert version == 2
     for ex in (first, joiner):
         assert ex.version == 2 and holds(ex.slot.model, 2)
+
+
+# ------------------------------------------------------------------ 3. structure re-checked at every sync
+
+@pytest.mark.parametrize("syncer", [PATCH, PATCH_COO, BUCKET], ids=["flat", "coo", "bucket"])
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+async def test_a_tensor_replaced_by_another_structure_is_refused_not_reinterpreted(syncer, change):
+    """The trainer replaces ``w`` (4, 6) by a (6, 4) tensor, or its int64 buffer by a float32
+    one: the patch used to be applied anyway (the (6, 4) data written as (4, 6), 2.75 as 2).
+    Every sync checks the handshake's plan now: refused, named, the explorer keeps version 0."""
+    state = {"w": torch.randn(4, 6), "n": torch.tensor([2, 3], dtype=torch.int64)}
+    model = {k: torch.zeros_like(v) for k, v in state.items()}
+    async with Synchronizer(None, syncer) as sync:
+        trainer = await sync.attach_trainer(state)
+        ex = await sync.attach_explorer("e0", model)
+        before = {k: v.clone() for k, v in model.items()}
+        if change == "shape":
+            state["w"] = torch.randn(6, 4)
+        else:
+            state["n"] = torch.tensor([2.75, 3.0])
+        await trainer.sync_weight(1)
+        assert ex.version == 0 and all(torch.equal(model[k], before[k]) for k in model)
+        error = last_error(sync, "e0")
+        assert "HandshakeError" in error and ("'w'" if change == "shape" else "'n'") in error
+        with pytest.raises(Exception):  # the drain cannot deliver what the explorer cannot hold: loud
+            await sync.drain()
+        await sync.detach_explorer("e0")  # leave without a second DrainError

@@ -139,6 +139,25 @@ def plan_slots(state_dict: Mapping[str, torch.Tensor], names: list[str], boot: l
     return slots, recv_dtypes
 
 
+def check_planned(state_dict: Mapping[str, torch.Tensor], keys: list[str], planned: Mapping[str, tuple]) -> None:
+    """Every sync: the sender's ``keys`` still have the shape and dtype the handshake planned
+    them with (``planned``: key -> (shape, dtype)). A patch is built against that plan (the
+    receiver's 2-D views, the snapshot's element widths); a tensor replaced by one of another
+    shape or dtype would be diffed and written reinterpreted. :class:`HandshakeError` naming
+    the key otherwise: nothing is built, and the next delivery re-handshakes (which refuses a
+    receiver that cannot hold the new structure)."""
+    for key in keys:
+        if key not in state_dict:
+            raise HandshakeError(f"state dict passed to sync lacks synced key {key!r}")
+        t = state_dict[key]
+        shape, dtype = planned.get(key, (tuple(t.shape), t.dtype))
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise HandshakeError(
+                f"synced key {key!r} changed since the handshake: it was {shape} {dtype}, it is now {tuple(t.shape)} "
+                f"{t.dtype}; nothing was built (the next delivery re-handshakes, and refuses a receiver that cannot "
+                "hold the new structure)")
+
+
 def sender_layouts(slots: list[str], meta: ReceiverMetadata, dtypes: Mapping[str, torch.dtype]) -> list[TensorLayout]:
     """The layout of every slot as the receiver holds it (its ordinal, 2-D shape and width)."""
     ordinal = {k: i for i, k in enumerate(meta.ordered_keys)}
