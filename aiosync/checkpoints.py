@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from .dtypes import dtype_name
 from .errors import HandshakeError, PayloadError, VersionError
@@ -206,6 +207,7 @@ class CheckpointDir:
         else:
             tensors, slices = local_pieces(state, writer[0])
             meta = {"writer": f"{writer[0]}/{writer[1]}", "slices": json.dumps(slices)}
+        check_storable(tensors)
         tensors = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
         meta |= {"version": str(version), "kind": "full" if keep else "sync"}
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".safetensors", dir=self.path)
@@ -344,6 +346,26 @@ def _regular_file(path: Path):
         yield by_fd if os.path.exists(by_fd) else str(path)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _storable(dtype: torch.dtype) -> bool:
+    """Whether safetensors can store ``dtype`` (probed once per dtype with an empty tensor)."""
+    try:
+        save({"x": torch.empty(0, dtype=dtype)})
+    except (KeyError, ValueError, TypeError):
+        return False
+    return True
+
+
+def check_storable(tensors: Mapping[str, Any]) -> None:
+    """Every tensor's dtype can be written to a safetensors file, or a
+    :class:`aiosync.errors.HandshakeError` names the first key that cannot (e.g. complex128),
+    before anything is written."""
+    for key, t in tensors.items():
+        if isinstance(t, torch.Tensor) and not _storable(t.dtype):
+            raise HandshakeError(f"checkpoint files cannot hold {key!r}: safetensors has no dtype {dtype_name(t.dtype)}; "
+                                 "use synchronizer.method memory or nccl, or leave the key out of param_names")
 
 
 def check_tensors_fit(target: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str) -> None:

@@ -234,9 +234,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         try:
             check_metadata(meta)
             same = (list(meta.ordered_keys), [tuple(x) for x in meta.original_shapes], list(meta.dtypes), meta.aliases,
-                    list(meta.viewable))
+                    list(meta.viewable), sorted(map(list, meta.shares)))
             if same != (list(first.ordered_keys), [tuple(x) for x in first.original_shapes], list(first.dtypes),
-                        first.aliases, list(first.viewable)):
+                        first.aliases, list(first.viewable), sorted(map(list, first.shares))):
                 raise HandshakeError("this receiver's model differs from the one the sender was set up for (keys, "
                                      "shapes or dtypes); it needs a sender of its own")
         except HandshakeError as exc:
@@ -339,7 +339,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     def _build(self, state_dict):
         snap = self._snapshot
         if not any(is_dtensor(state_dict[k]) for k in self._slot_keys):
-            tensors = [state_dict[k].detach() for k in self._slot_keys]
+            tensors = [materialize(state_dict[k]) for k in self._slot_keys]  # plain: detached, views resolved
             if self._fused_cpu(tensors):
                 return snap.diff_flat(tensors) if self.config.encoding == "flat" else self._ctx.build(tensors)
             return self._as_ctx(snap.diff(tensors, self._transport_device))
