@@ -33,8 +33,9 @@ from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.common.state_dicts import module_state_dict
 from ..transports.base import Transport
-from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
+from .protocol import Abort, Ack, Credit, Packet, Part, Reinit, Verify
 from .slots import PolicySlot
+from .verify import answer_verify
 
 log = logging.getLogger("aiosync.sync")
 
@@ -86,6 +87,8 @@ class Applier:
                     ack = self._malformed(exc)
                     if ack is None:
                         continue
+            if ack is None and isinstance(msg, Verify):  # whole-state verification: read only
+                ack = await answer_verify(msg, self.slot.model, self.slot.version, self.name)
             if ack is None:
                 if not isinstance(msg, (Reinit, Packet)):
                     log.debug("aiosync: %s skipped a stray %s", self.name, type(msg).__name__)
