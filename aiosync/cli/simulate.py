@@ -21,6 +21,8 @@ Scenarios:
   are on. Every rollout still checks its weights bit for bit against the version it was
   stamped with; the faults stop with the training, the synchronizer drains, and every explorer
   must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
+* ``verify`` — whole-state verification, methods × styles, late joiners, one bit flipped behind
+  aiosync's back per run: :mod:`aiosync.cli.simulate_verify`.
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -390,6 +392,10 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None = None, seed: int = 0,
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
+    if scenario == "verify":  # its own runs: methods x styles (aiosync.cli.simulate_verify)
+        from .simulate_verify import simulate_verify
+
+        return simulate_verify(steps, seed, loop)
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
     base = SCENARIOS[scenario]
@@ -415,7 +421,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify"]))
     p.add_argument("--explorers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -442,6 +448,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "verify":
+        from .simulate_verify import run_verify
+
+        return run_verify(args)
     try:
         report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
                           method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,

@@ -187,6 +187,9 @@ class ExplorerSession:
         else:
             seq = line.request()
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
+        if line.state_check is not None and line.state_check.mismatched and line.request_seq > seq:
+            seq = line.request_seq  # its state did not verify: the repair that asked for at once
+            await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         if line.last_outcome != "delivered" or line.served_seq < seq:
             err = line.stats.last_error or line.last_outcome or "no answer"
             await self._refuse(f"the first sync of explorer {hello.name} failed ({err})")

@@ -90,15 +90,22 @@ async def reference_digests(pub: Published, expected: dict[str, tuple]) -> tuple
         await entry.done.wait()
         return entry.digests, 0.0
     entry = table[fingerprint] = _Reference()
-    t0 = time.perf_counter()
+    spent = 0.0
     try:
         state = pub.state
         if all(t in state and isinstance(state[t], torch.Tensor) and not is_dtensor(state[t])
                for t, _, _ in expected.values()):
-            entry.digests = await run_sync(_digest_expected, state, expected)
+            entry.digests, spent = await run_sync(_timed, _digest_expected, state, expected)
     finally:
         entry.done.set()
-    return entry.digests, time.perf_counter() - t0
+    return entry.digests, spent
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the seconds it took (in the worker thread: the work, not the waits)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def _digest_expected(state: Mapping[str, torch.Tensor], expected: dict[str, tuple]) -> dict[str, int]:
@@ -127,15 +134,14 @@ async def answer_verify(msg: Verify, model: Any, held: int | None, name: str) ->
     event loop and name the tensors that differ."""
     if held != msg.version:
         return Verified(msg.id, msg.version, held, [], f"holds version {held}, not {msg.version}")
-    t0 = time.perf_counter()
     try:
-        mismatched = await run_sync(mismatched_keys, module_state_dict(model), msg.digests)
+        mismatched, spent = await run_sync(_timed, mismatched_keys, module_state_dict(model), msg.digests)
     except Exception as exc:  # a model that cannot be read: reported, the line repairs
         return Verified(msg.id, msg.version, held, [], f"{type(exc).__name__}: {exc}")
     if mismatched:
         log.warning("aiosync: %s does not hold exactly version %d: %s differ from the trainer's", name, msg.version,
                     ", ".join(mismatched[:8]) + (" ..." if len(mismatched) > 8 else ""))
-    return Verified(msg.id, msg.version, held, mismatched, None, time.perf_counter() - t0)
+    return Verified(msg.id, msg.version, held, mismatched, None, spent)
 
 
 @dataclass(frozen=True)
