@@ -137,8 +137,8 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def measure_verify(trainer: "Trainer", receiver_dtype: torch.dtype, repeats: int = 3) -> dict[str, Any]:
     """Whole-state verification's cost on this model (issue 35), medians of ``repeats``: the
     trainer-side reference (the fp32 weights digested as the bf16 explorer holds them), the
-    explorer's digest of its bf16 copy, and one optimizer step (AdamW on random gradients: a
-    lower bound of a real train step, which adds the forward and backward passes); the
+    explorer's digest of its bf16 copy, and one AdamW step alone (gradients in place, not timed:
+    a lower bound of a real train step, which adds the forward and backward passes); the
     overhead of ``synchronizer.verify_state``'s default schedule is both digests over that many
     such steps."""
     from ..coordination.config import SynchronizerConfig
@@ -158,7 +158,11 @@ def measure_verify(trainer: "Trainer", receiver_dtype: torch.dtype, repeats: int
 
     reference_s = timed(lambda: state_digests(state, dtypes=dtypes))
     explorer_s = timed(lambda: state_digests(held))
-    step_s = timed(trainer.step)
+    for p in trainer.params.values():
+        p.grad = torch.randn(p.shape, generator=trainer.gen)
+    step_s = timed(trainer.opt.step)
+    for p in trainer.params.values():
+        p.grad = None
     every = SynchronizerConfig().verify_state
     fp32_gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
     held_gb = sum(t.numel() * t.element_size() for t in held.values()) / 1e9
@@ -375,7 +379,7 @@ def print_table(report: dict[str, Any]) -> None:
                   f"({v['reference_s_per_gb']:.3f} s per GB of fp32 weights, cast to bf16), explorer "
                   f"{v['explorer_s'] * 1e3:.1f} ms ({v['explorer_s_per_gb']:.3f} s per GB of bf16); every "
                   f"{v['default_every']} versions (the default) that is {100 * v['default_overhead']:.2f} % of an "
-                  f"optimizer-only step ({v['optimizer_step_s'] * 1e3:.0f} ms)")
+                  f"AdamW step alone ({v['optimizer_step_s'] * 1e3:.0f} ms)")
     console.print("build bw / apply bw: the fraction of the measured read bandwidth the stage achieved on the bytes "
                   "it must move (build_bytes, apply_bytes in the JSON)")
 
