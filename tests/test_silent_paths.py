@@ -10,9 +10,6 @@ changed shape or dtype, a false drift on keys sharing a buffer, raw ``KeyError``
 
 from __future__ import annotations
 
-import logging
-import tempfile
-
 import anyio
 import pytest
 import torch

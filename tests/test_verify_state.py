@@ -8,7 +8,6 @@ The faults here are ones no other check sees: a bit flipped in a tensor no later
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from aiosync.coordination import Synchronizer
 from aiosync.errors import ConfigError, DrainError
 from aiosync.syncers.common.integrity import DIGEST_CHUNK, _mix_int, _mix_torch, _s64, _sum64, tensor_digest
 from aiosync.syncers.patch.syncer import PatchWeightSyncer
-from helpers import BUCKET, HANG_GUARD, PATCH, PATCH_COO, holds, rollout_model, train_to, trainer_state, weights
+from helpers import BUCKET, HANG_GUARD, PATCH, PATCH_COO, holds, rollout_model, train_to, trainer_state
 
 pytestmark = pytest.mark.both_loops
 
@@ -126,7 +125,7 @@ async def test_the_drain_always_verifies_and_repairs_what_it_finds(method, synce
     model = with_frozen(rollout_model())
     cfg = dict(method=method, verify_state=0, sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
     async with Synchronizer(cfg, syncer) as sync:
-        trainer = await sync.attach_trainer(state)
+        await sync.attach_trainer(state)
         ex = await sync.attach_explorer("e0", model)
         flip_a_bit(model)
         flip_a_bit(model, "w")

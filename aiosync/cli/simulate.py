@@ -448,21 +448,24 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.scenario == "verify":
-        from .simulate_verify import run_verify
-
-        return run_verify(args)
     try:
-        report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
-                          method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
-                          max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
+        if args.scenario == "verify":  # aiosync.cli.simulate_verify
+            from . import simulate_verify
+
+            report = simulate_verify.from_args(args)
+        else:
+            report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
+                              method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
+                              latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
+                              max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if args.scenario == "verify":
+        return simulate_verify.print_report(report)
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
             "loop_lag_p99_ms", "loop_lag_max_ms"]

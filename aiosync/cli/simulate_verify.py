@@ -26,10 +26,8 @@ whole-state verification can see it). The report counts, over all runs:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
-import sys
 import tempfile
 import time
 from typing import Any
@@ -185,18 +183,15 @@ def simulate_verify(steps: int | None = None, seed: int = 0, loop: str = "asynci
     }
 
 
-def run_verify(args: argparse.Namespace) -> int:
-    """``aiosync simulate --scenario verify`` (the other options of ``simulate`` that apply:
-    ``--steps``, ``--seed``, ``--loop``, ``--method``, ``--style``, ``--json``)."""
-    try:
-        report = simulate_verify(args.steps, args.seed, args.loop, methods=[args.method] if args.method else METHODS,
-                                 styles=[args.style] if args.style else STYLES)
-    except ValueError as exc:
-        print(f"aiosync simulate: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+def from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of ``aiosync simulate --scenario verify`` (the options of ``simulate`` that
+    apply: ``--steps``, ``--seed``, ``--loop``, ``--method``, ``--style``)."""
+    return simulate_verify(args.steps, args.seed, args.loop, methods=[args.method] if args.method else METHODS,
+                           styles=[args.style] if args.style else STYLES)
+
+
+def print_report(report: dict[str, Any]) -> int:
+    """Print the summary; the exit status says whether every check held."""
     for key in ("runs", "injected", "detected", "repaired", "wrong_leases_undetected", "verify_overhead",
                 "final_bit_exact", "checks", "leases", "wrong_leases", "verify_state"):
         value = report[key]
