@@ -172,7 +172,7 @@ def tensor_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: tor
     are read by value. CPU tensors are digested by a numba kernel (several GB/s, GIL released),
     other devices with torch ops, a chunk at a time (bounded scratch memory).
     """
-    from ..kernels.digest import digest_fp32_as_bf16, digest_words
+    from ..kernels.digest import digest_fp32_as_bf16
 
     t = t.detach().resolve_conj().resolve_neg()
     dtype = t.dtype if dtype is None else dtype
@@ -184,24 +184,43 @@ def tensor_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: tor
         c, start = flat[a:a + DIGEST_CHUNK], a * width // 8
         if c.is_cpu and c.dtype == torch.float32 and all(d == torch.bfloat16 for d in chain) and dtype != c.dtype:
             bits = c.view(torch.int32).numpy().view(np.uint32)
-            if bits.shape[0] % 4 or bits.ctypes.data % 4:
-                bits = np.concatenate([bits, np.zeros(-bits.shape[0] % 4, np.uint32)])
-            total += int(digest_fp32_as_bf16(bits, start))
+            bulk = bits.shape[0] - bits.shape[0] % 4  # the last few elements: padded apart (no copy of the chunk)
+            total += int(digest_fp32_as_bf16(bits[:bulk], start))
+            if bulk < bits.shape[0]:
+                tail = np.zeros(4, np.uint32)
+                tail[:bits.shape[0] - bulk] = bits[bulk:]
+                total += int(digest_fp32_as_bf16(tail, start + bulk // 4))  # zeros cast to zero bits: the padding
             continue
         for d in chain:
             if c.dtype != d:
                 c = c.to(d)
-        raw = c.contiguous().view(torch.uint8) if not c.is_complex() else torch.view_as_real(c).contiguous().view(
-            torch.uint8).reshape(-1)
-        if raw.numel() % 8 or raw.data_ptr() % 8:
-            raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)])
-        words = raw.view(torch.int64)
-        if words.is_cpu:
-            total += int(digest_words(words.numpy().view(np.uint64), start))
-        else:
-            pos = torch.arange(start, start + words.numel(), device=words.device, dtype=torch.int64)
-            total += _sum64(_mix_torch(pos, words))
+        c = torch.view_as_real(c) if c.is_complex() else c
+        total += _digest_bytes(c.contiguous().reshape(-1).view(torch.uint8), start)
     return _s64(_mix_int(n * width, total & _MASK64))
+
+
+def _digest_bytes(raw: torch.Tensor, start: int) -> int:
+    """``Σ mix(start + i, w_i)`` (not reduced) over the 64-bit words of a 1-D uint8 tensor, its
+    last word zero-padded: the bulk in place (a copy only when it is not 8-byte aligned), the
+    tail apart."""
+    from ..kernels.digest import digest_words
+
+    def words_sum(words: torch.Tensor, first: int) -> int:
+        if words.is_cpu:
+            return int(digest_words(words.numpy().view(np.uint64), first))
+        pos = torch.arange(first, first + words.numel(), device=words.device, dtype=torch.int64)
+        return _sum64(_mix_torch(pos, words))
+
+    n = raw.numel()
+    bulk, total = n - n % 8, 0
+    if bulk:
+        body = raw[:bulk] if raw.data_ptr() % 8 == 0 else raw[:bulk].clone()
+        total += words_sum(body.view(torch.int64), start)
+    if bulk < n:
+        tail = raw.new_zeros(8)
+        tail[:n - bulk] = raw[bulk:]
+        total += words_sum(tail.view(torch.int64), start + bulk // 8)
+    return total
 
 
 def state_digests(state: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None,
