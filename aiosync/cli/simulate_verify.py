@@ -38,7 +38,7 @@ import torch
 from ..aio import run_sync
 from ..coordination import Synchronizer
 from ..errors import PeerTimeoutError
-from .simulate import ToyPolicy
+from .toy import ToyPolicy
 
 METHODS = ("memory", "checkpoint", "nccl")
 STYLES = ("fixed", "explorer_driven", "trainer_driven")
