@@ -43,13 +43,14 @@ async def publish(trainer, explorer, version: int, method: str) -> None:
 
 # ------------------------------------------------------------------ 1. an NCCL late joiner between syncs
 
+@pytest.mark.parametrize("style, interval", [("fixed", 3), ("explorer_driven", 1)])
 @pytest.mark.parametrize("syncer", [PATCH, PATCH_COO], ids=["flat", "coo"])
-async def test_an_nccl_joiner_between_syncs_holds_the_version_it_reports(syncer):
-    """FIXED, ``sync_interval`` 3: steps 1 and 2 are trained but not published when a second
-    explorer attaches from the trainer's task. It is bootstrapped from the live tensors, so it
-    must be stamped with their version (2), and the drain must leave both explorers at it."""
+async def test_an_nccl_joiner_between_syncs_holds_the_version_it_reports(syncer, style, interval):
+    """Steps 1 and 2 are trained but not published when a second explorer attaches from the
+    trainer's task. It is bootstrapped from the live tensors, so it must be stamped with their
+    version (2), and the drain must leave both explorers at it."""
     state = trainer_state()
-    cfg = dict(method="nccl", style="fixed", sync_interval=3, sync_timeout=2.0, delivery_timeout=HANG_GUARD)
+    cfg = dict(method="nccl", style=style, sync_interval=interval, sync_timeout=2.0, delivery_timeout=HANG_GUARD)
     async with Synchronizer(cfg, syncer) as sync:
         trainer = await sync.attach_trainer(state)
         first = await sync.attach_explorer("e0", rollout_model())

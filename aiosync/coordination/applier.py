@@ -12,6 +12,10 @@ Its :meth:`Applier.run` task is the explorer's background apply task. For every
 3. answers with an :class:`~aiosync.coordination.protocol.Ack` (the version now held, or why
    the delivery was refused — a refusal leaves weights and version as they were).
 
+It also answers whole-state checks (:class:`~aiosync.coordination.protocol.Verify`): the model
+is digested in a worker thread, read only, and the tensors that differ from the trainer's are
+named (:mod:`aiosync.coordination.verify`).
+
 A syncer that cannot stage (a custom one without ``supports_staging``) still works: its whole
 ``init_receiver`` / ``apply`` runs inside the exclusive section, with a slot backup for rollback.
 """

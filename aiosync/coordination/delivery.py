@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import EndOfStream, PayloadError, PeerTimeoutError, StateMismatchError
+from ..errors import ClosedResourceError, EndOfStream, PayloadError, PeerTimeoutError, StateMismatchError
 from ..messages import payload_nbytes
 from ..syncers.base import WeightSyncer
 from ..syncers.factory import SyncerFactory
@@ -370,6 +370,8 @@ class DeliveryLine:
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("aiosync: %s", exc)
             return True
+        except (EndOfStream, ClosedResourceError):  # the explorer is leaving: its session ends, not a drain failure
+            return False
         except Exception as exc:  # the check itself failed: repaired like a failed delivery
             self._fail(exc)
             return True
