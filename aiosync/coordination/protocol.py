@@ -43,8 +43,10 @@ from ..errors import PayloadError
 from ..messages import message
 
 #: Version of this protocol; a Hello of another version is refused. 3: streamed packets
-#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them.
-PROTOCOL = 3
+#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them. 4:
+#: whole-state verification (:class:`Verify`, :class:`Verified`, ``Hello.dtypes``), the
+#: handshake's ``shares`` and the bucket manifest's ``__aiosync__.shares``.
+PROTOCOL = 4
 
 _INT64 = 1 << 63
 #: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
