@@ -28,3 +28,29 @@ async def test_lease_pauses_repairs_once_and_ends_bit_exact():
     assert report["patches"]["repairs"] == 0 and report["repair"]["repairs"] == 1
     assert report["patches"]["leases"] > 0 and report["repair"]["leases"] > 0
     assert set(report["repair"]) >= {"lease_wait_max_ms", "exclusive_write_max_ms", "seconds"}
+
+
+def test_checkpoint_faults_are_refused_named_and_recovered_with_no_wrong_lease(tmp_path):
+    """issue 33's done-when: every fault of a checkpoint directory, explorers and a follower
+    leasing throughout (a subprocess: the disk_full fault sets a file size limit on its process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(root / "examples" / "checkpoint_faults.py"), "--mb", "8", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["faults"]) == {"two_trainers", "stale_shard_resume", "bit_flip", "truncated_file",
+                                     "stranger_file", "disk_full", "dir_replaced"}
+    for name, fault in report["faults"].items():
+        assert fault["wrong_leases"] == 0 and fault["recovered"] and fault["leases"] > 0, name
+        assert fault["refused_with"] in {"CheckpointHeldError", "ChecksumError", "PayloadError",
+                                         "CheckpointWriteError"}, name
+        assert "checkpoint" in fault["message"], name  # it names the file or the directory
+    assert report["digest_verify_s_per_gb"] > 0 and report["write_s_per_gb"] > 0

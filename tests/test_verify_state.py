@@ -13,7 +13,7 @@ import torch
 
 from aiosync.coordination import Synchronizer
 from aiosync.errors import ConfigError, DrainError
-from aiosync.syncers.common.integrity import DIGEST_CHUNK, _mix_int, _mix_torch, _s64, _sum64, tensor_digest
+from aiosync.syncers.common.integrity import DIGEST_CHUNK, _mix_int, _mix_torch, _s64, _sum64, state_digest
 from aiosync.syncers.patch.syncer import PatchWeightSyncer
 from helpers import BUCKET, HANG_GUARD, PATCH, PATCH_COO, holds, rollout_model, train_to, trainer_state
 
@@ -48,20 +48,20 @@ def by_definition(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 def test_the_digest_is_its_definition_on_every_dtype_layout_and_chunking(t, dtype):
     """The numba kernels (fused fp32 → bf16 cast included, across chunk boundaries) compute
     exactly the documented digest."""
-    assert tensor_digest(t, dtype) == by_definition(t, dtype)
+    assert state_digest(t, dtype) == by_definition(t, dtype)
 
 
 def test_the_digest_sees_every_single_bit_and_follows_a_cast_through_a_bucket_dtype():
     x = torch.randn(4099)
-    base = tensor_digest(x)
+    base = state_digest(x)
     for element, bit in ((0, 0), (17, 31), (4098, 9)):
         y = x.clone()
         y.view(torch.int32)[element] ^= 1 << bit
-        assert tensor_digest(y) != base
+        assert state_digest(y) != base
     # fp32 trainer → bf16 bucket → fp32 explorer: what that explorer holds
-    assert tensor_digest(x, torch.float32, via=torch.bfloat16) == tensor_digest(x.to(torch.bfloat16).float())
+    assert state_digest(x, torch.float32, via=torch.bfloat16) == state_digest(x.to(torch.bfloat16).float())
     z = torch.randn(4, 4, dtype=torch.complex64)
-    assert tensor_digest(z.conj()) == tensor_digest(z.conj().resolve_conj()) != tensor_digest(z)
+    assert state_digest(z.conj()) == state_digest(z.conj().resolve_conj()) != state_digest(z)
 
 
 # ------------------------------------------------------------------ explorers checked end to end

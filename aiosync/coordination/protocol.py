@@ -172,7 +172,7 @@ class Ack:
 class Verify:
     """Session → explorer, after a delivery of ``version`` (or at the drain): whole-state
     verification. ``digests``: the explorer's key → the digest its tensor must have if it holds
-    exactly the trainer's ``version`` (:func:`aiosync.syncers.common.integrity.tensor_digest`,
+    exactly the trainer's ``version`` (:func:`aiosync.syncers.common.integrity.state_digest`,
     in the explorer's dtype). Answered by :class:`Verified` with the same ``id``."""
 
     version: int

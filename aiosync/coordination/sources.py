@@ -36,7 +36,7 @@ import anyio
 import torch
 
 from ..aio import finish_cuda_work, run_sync
-from ..checkpoints import CheckpointDir, check_tensors_fit
+from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
 from ..syncers.common.state_dicts import copy_shared, is_dtensor
 
@@ -239,6 +239,11 @@ class CheckpointSource(Source):
         self._emit("published", version)
         return self.latest
 
+    def stop(self) -> None:
+        """The trainer stopped: its run releases the directory's hold (its files stay readable)."""
+        super().stop()
+        self.directory.release()  # rewrites one small file
+
     async def _wait_complete(self, version: int) -> None:
         """Wait until the shards of every writer of ``version`` are in. The other writers are
         other processes, so the directory is looked at again and again (every 10 ms at first,
@@ -259,18 +264,19 @@ class CheckpointSource(Source):
             pause = min(pause * 2, 0.2)
 
     async def newest(self) -> Published | None:
-        newest = await run_sync(self.directory.newest_version)
-        if newest is None:
-            return None
-        if self._cache is None or self._cache.version != newest:
-            version, tensors = await run_sync(self.directory.load)
-            live = dict(self.live()) if self.live is not None else {}
-            check_tensors_fit(live, tensors, f"checkpoint {version} in {self.directory.path}")
+        """The newest version that reads and verifies (:meth:`CheckpointDir.read_newest`): a
+        damaged or mislabelled file is refused (logged, kept in ``directory.refused``) and the
+        version before it is served, until the next publish."""
+        held = None if self._cache is None else self._cache.version
+        live = dict(self.live()) if self.live is not None else {}
+        got = await run_sync(functools.partial(self.directory.read_newest, held, target=live))
+        if got is not None:
+            version, tensors = got
             # a file holds tied tensors once per name: tie them again as the trainer's are
             live.update(await run_sync(functools.partial(copy_shared, tensors, list(tensors), like=live, clone=False)))
             seq = self.latest.seq if self.latest is not None and self.latest.version == version else self.seq
             old, self._cache = self._cache, Published(version, live, seq)
-            del live, tensors
+            del live, tensors, got
             if old is not None:
                 await self._retire(old)
         return self._cache

@@ -2,7 +2,7 @@
 trainer's published version — so that a wrong state never stays silent, whatever caused it.
 
 * **The reference.** Per published version and receiver layout, the digest of every synced
-  tensor as the explorer must hold it (:func:`aiosync.syncers.common.integrity.tensor_digest`:
+  tensor as the explorer must hold it (:func:`aiosync.syncers.common.integrity.state_digest`:
   the trainer's values, cast as the syncer casts them — to the explorer's dtype, through a
   bucket's ``bucket_dtype`` — digested where the line already reads them: inside the build, so
   with NCCL inside the trainer's window). Computed once per version and layout
@@ -38,7 +38,7 @@ import torch
 from ..aio import run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import PayloadError
-from ..syncers.common.integrity import state_digests, tensor_digest
+from ..syncers.common.integrity import state_digests, state_digest
 from ..syncers.common.state_dicts import is_dtensor, module_state_dict
 from ..transports.base import Transport
 from .metrics import RunningStat, Series
@@ -109,7 +109,7 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _digest_expected(state: Mapping[str, torch.Tensor], expected: dict[str, tuple]) -> dict[str, int]:
-    return {key: tensor_digest(state[t], dtype, via=via) for key, (t, via, dtype) in expected.items()}
+    return {key: state_digest(state[t], dtype, via=via) for key, (t, via, dtype) in expected.items()}
 
 
 def held_dtypes(model: Any) -> dict[str, str] | None:

@@ -15,7 +15,7 @@
 * :func:`drift_hash` — the drift check of ``flat`` patches (always on): a 64-bit hash of the
   old bits at a tensor's changed positions, O(changes). The numba kernels compute the same
   value (:func:`aiosync.syncers.kernels.flat.mix64`); see docs/wire-format.md.
-* :func:`tensor_digest` / :func:`state_digests` — whole-state verification: a 64-bit digest of
+* :func:`state_digest` / :func:`state_digests` — whole-state verification: a 64-bit digest of
   a tensor's values as a given dtype holds them (any device, any layout), a few GB/s per core
   off the GIL; per tensor, so a mismatch names the tensors, and additive over parts.
 
@@ -154,7 +154,7 @@ def drift_hash(positions: torch.Tensor, old_bits: torch.Tensor) -> int:
 DIGEST_CHUNK = 1 << 22
 
 
-def tensor_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torch.dtype | None = None) -> int:
+def state_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torch.dtype | None = None) -> int:
     """A 64-bit digest of ``t``'s values as ``dtype`` (default: its own) holds them, as a signed
     int64 (how it travels).
 
@@ -226,10 +226,10 @@ def _digest_bytes(raw: torch.Tensor, start: int) -> int:
 def state_digests(state: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None,
                   dtypes: Mapping[str, torch.dtype] | None = None,
                   via: Mapping[str, torch.dtype | None] | None = None) -> dict[str, int]:
-    """:func:`tensor_digest` of every key of ``keys`` (default: all), each in its ``dtypes[key]``
+    """:func:`state_digest` of every key of ``keys`` (default: all), each in its ``dtypes[key]``
     (default: its own) and ``via[key]``. Reads only; run it in a worker thread."""
     dtypes, via = dtypes or {}, via or {}
-    return {k: tensor_digest(state[k], dtypes.get(k), via=via.get(k)) for k in (state if keys is None else keys)}
+    return {k: state_digest(state[k], dtypes.get(k), via=via.get(k)) for k in (state if keys is None else keys)}
 
 
 # ------------------------------------------------------------------ manifests

@@ -1,5 +1,5 @@
 """The state digest's kernels (whole-state verification, see
-:func:`aiosync.syncers.common.integrity.tensor_digest`): a sum of
+:func:`aiosync.syncers.common.integrity.state_digest`): a sum of
 :func:`~aiosync.syncers.kernels.flat.mix64` over a tensor's raw bytes read as little-endian
 64-bit words, each mixed with its word index. Sums of parts add up (modulo 2**64), so a tensor
 is digested chunk by chunk (or shard by shard) and the parts combined by addition.
