@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aiosync"
 
 #: Layer of each top-level part of the package; a module may import its own layer and those below.
 LAYERS = {
-    "errors": 0, "aio": 0, "messages": 0, "dtypes": 0, "_strict": 0, "configs": 0, "pieces": 0,
+    "errors": 0, "aio": 0, "messages": 0, "dtypes": 0, "_strict": 0, "configs": 0, "pieces": 0, "reclaim": 0,
     "transports": 1, "checkpoints": 1,
     "syncers": 2,
     "coordination": 3, "engines": 3,
