@@ -25,7 +25,7 @@ from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, 
     iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
 from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
-from ..kernels.warmup import warm_up_kernels
+from ..kernels.warmup import request_for
 from ..common.state_dicts import module_state_dict, select_sync_names
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
@@ -166,7 +166,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         t0 = time.perf_counter()
         target = module_state_dict(model)
         generation = self._generation
-        await run_sync(warm_up_kernels, target.values())  # compiled (or loaded) off the event loop
+        request_for(target.values())  # loaded in the background; the torch paths serve until then (L2)
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
         plan, held, nbytes, peak = FullStateWrite(), {}, 0, 0
         while not reader.done:

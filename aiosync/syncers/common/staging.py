@@ -34,6 +34,7 @@ import torch
 from ...aio import finish_cuda_work, run_sync
 from ...errors import ApplyError
 from ..base import CommitTarget
+from ..kernels.warmup import ready as kernels_ready
 from .bits import BITS_DTYPES, as_bits
 
 log = logging.getLogger("aiosync.sync")
@@ -230,7 +231,8 @@ class FullStateWrite:
                     if journal is not None:
                         journal.record_whole(t)
                     t.copy_(entry.dense)
-                elif entry.index is not None and not isinstance(entry.index, tuple) and t.device.type == "cpu":
+                elif (entry.index is not None and not isinstance(entry.index, tuple) and t.device.type == "cpu"
+                      and kernels_ready((t.element_size(),))):
                     _scatter_cpu(t, entry.index, entry.new_bits, journal)
                 elif entry.index is not None:
                     view = as_bits(t).view(-1) if not isinstance(entry.index, tuple) else as_bits(t)
@@ -318,8 +320,10 @@ def _scatter_cpu(t: torch.Tensor, pos: torch.Tensor, new_bits: torch.Tensor, jou
 
 def _diff_chunk(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (int64) where two 1-D bit tensors differ, and ``new``'s bits there. Reads only.
-    The numba kernel on CPU (``torch.nonzero`` costs several times more), torch ops elsewhere."""
-    if new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
+    The numba kernel on CPU (``torch.nonzero`` costs several times more) once it is loaded, torch
+    ops elsewhere and until then."""
+    if (new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous())
+            or not kernels_ready((new.element_size(),))):
         idx = torch.nonzero(old != new).reshape(-1)
         return idx, new[idx]
     from ..kernels.write import diff_positions

@@ -30,6 +30,7 @@ import torch
 
 from ...aio import resolve_device
 from ...reclaim import release, release_later
+from ..kernels.warmup import ready as kernels_ready
 from ..common.bits import NP_UINT, as_bits, np_bits
 
 _FUSED: list[bool] = []
@@ -224,7 +225,8 @@ class Snapshot:
         cpu_slots = [i for i, t in by_slot.items() if not (t.is_cuda or self._snaps[i].is_cuda)]
         gpu_slots = [i for i in by_slot if i not in set(cpu_slots)]
         if cpu_slots:
-            if self.kernel == "torch":  # the CUDA builder's algorithm, on CPU
+            if self.kernel == "torch" or not kernels_ready({self._snaps[i].element_size() for i in cpu_slots}):
+                # the CUDA builder's algorithm, on CPU (also until the numba kernels are loaded)
                 from .cuda import diff_groups
 
                 pairs = [(by_slot[i].detach().reshape(-1), self._snaps[i]) for i in cpu_slots]
