@@ -3,7 +3,7 @@
 numba keeps arrays alive with atomic reference counts. Inside a kernel it prunes them, but
 with numba 0.68 an inlined helper that takes an array and branches leaves an ``NRT_incref`` /
 ``NRT_decref`` pair *per call* (0.65 pruned them): in the flat writer that made the whole
-write 2.6× slower (``kernels.get_nibble`` / ``get_exception`` say how it is written instead).
+write 2.6× slower (``kernels.flat.get_nibble`` / ``get_exception`` say how it is written instead).
 Nothing shows it but the compiled code, so this test compiles the kernels afresh in a
 subprocess (numba's cache keeps no IR to inspect) and reads their LLVM IR: no refcount call
 may sit on a cycle of a per-element or per-change kernel's control flow.
@@ -88,10 +88,10 @@ def test_the_check_finds_refcount_calls_in_loops_only():
 #: The kernels whose loops run per element or per change (``encode_segment`` / ``decode_segment``
 #: loop over classes and groups of blocks only, around the kernels listed here).
 HOT = {
-    "kernels": ["diff_update", "diff_encode_flat", "encode_flat", "pack_nibbles", "count_escapes", "decode_gaps"],
-    "kernels_write": ["diff_positions", "scatter", "apply_flat_gaps_logged", "restore_gaps"],
-    "kernels_ctx": ["diff_ctx", "count_symbols", "exp_histogram"],
-    "kernels_ctx_coder": ["_encode_gaps", "_encode_values", "_decode_gaps", "_decode_values", "_positions",
+    "kernels.flat": ["diff_update", "diff_encode_flat", "encode_flat", "pack_nibbles", "count_escapes", "decode_gaps"],
+    "kernels.write": ["diff_positions", "scatter", "apply_flat_gaps_logged", "restore_gaps"],
+    "kernels.ctx": ["diff_ctx", "count_symbols", "exp_histogram"],
+    "kernels.ctx_coder": ["_encode_gaps", "_encode_values", "_decode_gaps", "_decode_values", "_positions",
                           "_value_tables", "write_codes", "restore_codes"],
 }
 
