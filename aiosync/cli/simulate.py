@@ -21,6 +21,8 @@ Scenarios:
   are on. Every rollout still checks its weights bit for bit against the version it was
   stamped with; the faults stop with the training, the synchronizer drains, and every explorer
   must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
+* ``links`` — ``encoding: auto`` with explorers behind a 50 Mbit/s and a 1 Gbit/s link side by
+  side (:mod:`aiosync.cli.simulate_links`, a run of its own: each link picks its encoding).
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -99,6 +102,11 @@ SCENARIOS = {
                        jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
                        verify_checksums=True, sync_timeout=2.0, delivery_timeout=0.5),
 }
+
+
+#: Scenarios that run a simulation of their own: name -> module with ``simulate(explorers, *, steps,
+#: seed, loop, **overrides) -> report`` and ``summary(report) -> lines`` (imported when chosen).
+MODULES = {"links": "aiosync.cli.simulate_links"}
 
 
 def is_delivery(msg: Any) -> bool:
@@ -390,8 +398,11 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None = None, seed: int = 0,
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
+    if scenario in MODULES:
+        return importlib.import_module(MODULES[scenario]).simulate(explorers, steps=steps, seed=seed, loop=loop,
+                                                                   **overrides)
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
+        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join([*SCENARIOS, *MODULES])}")
     base = SCENARIOS[scenario]
     sc = Scenario(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if steps is not None:
@@ -415,7 +426,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, *MODULES]))
     p.add_argument("--explorers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -453,6 +464,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if args.scenario in MODULES:
+        print("\n".join(importlib.import_module(MODULES[args.scenario]).summary(report)))
+        return 0
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
             "loop_lag_p99_ms", "loop_lag_max_ms"]

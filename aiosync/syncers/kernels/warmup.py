@@ -150,10 +150,9 @@ class _Loader:
         self.lock = threading.Condition()
         self.wanted: set[tuple[int, bool]] = set()
         self.thread: threading.Thread | None = None
-        #: Seconds the child compile and the in-process load of the last batch took (diagnostics).
-        self.compile_s = 0.0
-        self.load_s = 0.0
-        self.child_failed: str | None = None
+        #: What each batch did (diagnostics): widths, ctx, whether a child compiled them, seconds
+        #: the child and the load here took, why the child failed (``None``: it did not).
+        self.batches: list[dict] = []
 
     def request(self, widths: tuple[int, ...], ctx: bool) -> None:
         with self.lock:
@@ -178,8 +177,8 @@ class _Loader:
                     self.lock.notify_all()
                     return
             t0 = time.perf_counter()
-            if os.environ.get("AIOSYNC_COMPILE_IN_PROCESS") != "1" and not _cached(widths, ctx):
-                self.child_failed = _compile_in_child(widths, ctx)
+            child = os.environ.get("AIOSYNC_COMPILE_IN_PROCESS") != "1" and not _cached(widths, ctx)
+            failed = _compile_in_child(widths, ctx) if child else None
             t1 = time.perf_counter()
             try:
                 warm_up(widths, ctx)  # loads what the child compiled (compiles here if it could not)
@@ -187,7 +186,8 @@ class _Loader:
                 log.warning("aiosync: the numba kernels could not be loaded (%s); the torch paths serve", exc)
                 with self.lock:
                     self.wanted -= {(w, c) for w in widths for c in (False, True)}
-            self.compile_s, self.load_s = t1 - t0, time.perf_counter() - t1
+            self.batches.append({"widths": widths, "ctx": ctx, "child": child, "child_s": round(t1 - t0, 2),
+                                 "load_s": round(time.perf_counter() - t1, 2), "child_failed": failed})
             with self.lock:
                 self.lock.notify_all()
 
@@ -230,9 +230,8 @@ def _compile_in_child(widths: tuple[int, ...], ctx: bool) -> str | None:
     """Compile the kernels into numba's cache in a child Python process (this process keeps its
     GIL); returns why that failed, or ``None``. The child sees this process's environment and the
     same ``aiosync`` (its directory first on ``PYTHONPATH``)."""
-    import aiosync
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(aiosync.__file__)))
+    here = os.path.abspath(__file__)  # <root>/aiosync/syncers/kernels/warmup.py
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")

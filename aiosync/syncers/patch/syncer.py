@@ -128,6 +128,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._chain_broken: str | None = None  # why the snapshot is out of step (a failed build)
         self._bootstrap_keys: list[str] = []
         self._session: int | None = None  # the handshake's id, as the sender echoes it
+        self._by_encoding: dict[str, SyncStatistics] = {}
         # receiver state: changes only when a staged write succeeds
         self._rx = ReceiverState()
         self.version: int | None = None
@@ -304,37 +305,40 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return
         if self._snapshot is None:
             raise RuntimeError("call init_sender before sync")
-        missing = [k for k in self._slot_keys if k not in state_dict]
-        if missing:
-            raise HandshakeError(f"state dict passed to sync lacks synced key {missing[0]!r}")
-        t0 = time.perf_counter()
-        base = self._last_version
-        built: list = []
-        encoding = self.plain_encoding()
-
-        def build():
-            out = self._build(state_dict, encoding)
-            built.append(True)
-            return out
-
-        try:
-            diffs = await run_sync(build)
-        finally:
-            if built:  # the snapshot holds `version` now, whatever happens to this patch
-                self._last_version = version
-            else:
-                self._chain_broken = f"building patch {version} failed half way, the sender's snapshot is out of step"
-        if self._snapshot.staged_event is not None:
-            await wait_event(self._snapshot.staged_event, timeout=self.config.recv_timeout)
-        t1 = time.perf_counter()
-        patch = await run_sync(self._encode, diffs, version, base, encoding)
+        patches = await self._build_encoded(state_dict, version, (self.plain_encoding(),))
+        patch = next(iter(patches.values()))
         t2 = time.perf_counter()
         await send(patch)
-        t3 = time.perf_counter()
-        self._statistics = SyncStatistics(
-            version=version, bytes=payload_nbytes(patch), changed=sum(d.nnz for d in diffs),  # both diff kinds count
-            elements=sum(lay.numel for lay in self._layouts), build_s=t1 - t0, encode_s=t2 - t1, send_s=t3 - t2)
-        self._last_version = version
+        self._statistics = dataclasses.replace(self._statistics, send_s=time.perf_counter() - t2)
+
+    async def sync_encodings(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                             encodings: tuple[str, ...]) -> dict[str, Any]:
+        """Build ``version``'s patch once in each of ``encodings`` (``flat``, ``ctx``) and return
+        them by encoding, sending nothing (a fan-out hands each explorer link the one it chose:
+        ``encoding: auto``). One diff serves both: the changes found, the snapshot is put back at
+        them and the ``ctx`` builder codes the same changes (:mod:`.encodings`). An encoding this
+        sender cannot build now (``ctx`` before its kernels load; a sharded or CUDA state) is
+        left out; the first of ``encodings`` it can build is always there.
+        :meth:`encoding_statistics` says what each cost. Same checks and chain rules as :meth:`sync`."""
+        version = check_version(version)
+        if self._chain_broken is not None:
+            raise PatchChainError(f"cannot build patch {version}: {self._chain_broken}; call init_sender again to "
+                                  "re-bootstrap the receiver", expected_base=self._last_version, receiver_version=None)
+        if self._last_version is not None and version <= self._last_version:
+            raise VersionError(f"version {version} is not greater than the last synced version {self._last_version}")
+        if self._snapshot is None or not self._is_sender:
+            raise RuntimeError("call init_sender (as the sender) before sync_encodings")
+        return await self._build_encoded(state_dict, version, encodings)
+
+    def encoding_statistics(self) -> dict[str, SyncStatistics]:
+        """Per encoding, what the last :meth:`sync_encodings` (or :meth:`sync`) built: bytes,
+        changed elements, and the seconds its diff and coding took."""
+        return dict(self._by_encoding)
+
+    async def _build_encoded(self, state_dict, version: int, encodings: tuple[str, ...]) -> dict[str, Any]:
+        from .encodings import build_encoded
+
+        return await build_encoded(self, state_dict, version, encodings)
 
     def plain_encoding(self) -> str:
         """The encoding of a patch built by :meth:`sync`: the configured one; ``ctx`` is ``flat``
@@ -348,6 +352,10 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     def ctx_ready(self) -> bool:
         """Whether this sender can build ``ctx`` patches now (its kernels are loaded)."""
         return kernels_ready(self._widths, ctx=True)
+
+    def request_ctx(self) -> None:
+        """Ask for the ``ctx`` kernels (loaded in the background; see :meth:`ctx_ready`)."""
+        request_kernels(self._widths, ctx=True)
 
     def ctx_builder(self):
         """The ``ctx`` statistics over the snapshot (made on first use, in a worker thread)."""
