@@ -24,7 +24,7 @@ from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
-from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
 from ..kernels.warmup import request_for
 from ..common.state_dicts import module_state_dict, select_sync_names
 
@@ -206,13 +206,15 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
             changed, journal = await run_sync(self._write_sync, target, plan, rollback)
             await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
             undo = 0 if journal is None else journal.nbytes
+            held = plan.nbytes
             self.version = version
             self._generation += 1
+            await written(journal, plan)
         write_s = time.perf_counter() - t0
         nbytes, count, stage_s, peak = stats
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, buckets=count,
                                           stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s,
-                                          peak_bytes=max(peak, plan.nbytes + undo))
+                                          peak_bytes=max(peak, held + undo))
         return version
 
     def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite,

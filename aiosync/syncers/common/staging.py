@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ...aio import finish_cuda_work, run_sync
+from ...reclaim import release_off_loop
 from ...errors import ApplyError
 from ..base import CommitTarget
 from ..kernels.warmup import ready as kernels_ready
@@ -73,6 +74,12 @@ class Journal:
         with torch.no_grad():
             while self._undo:
                 self._undo.pop()()
+
+    def take(self) -> list:
+        """Empty the journal (its write committed): the undo records, old values included, for
+        :func:`written`."""
+        undo, self._undo = self._undo, []
+        return undo
 
 
 @dataclass
@@ -137,6 +144,11 @@ class FullStateWrite:
                     entry = self._plan(key, t, value, sig)
                 self._entries[key] = entry
                 self._storages.setdefault(home, []).append(key)
+
+    def take(self) -> list:
+        """Empty the plan (it was written): its entries, new values included, for :func:`written`."""
+        entries, self._entries, self._storages = list(self._entries.values()), {}, {}
+        return entries
 
     @property
     def changed(self) -> int:
@@ -243,6 +255,15 @@ class FullStateWrite:
                     after_each(i, len(entries))
         finish_cuda_work(target[e.key] for e in entries)  # the writes landed before the version commits
         return self.changed
+
+
+async def written(*parts: Any) -> None:
+    """A staged write committed: release what its plans and journals (``parts``; ``None`` and
+    objects without ``take()`` are skipped) still hold — a bootstrap's new values, a repair's old
+    ones, a model's worth — in a worker thread, in bounded pieces (:mod:`aiosync.reclaim`). Their
+    last references would otherwise go on the event loop, with the coroutine that wrote them."""
+    box = [p.take() for p in parts if callable(getattr(p, "take", None))]
+    await release_off_loop(box)
 
 
 async def commit_write(model: Any, keys: Sequence[str], version: int | None, journal: Journal | None) -> None:

@@ -49,7 +49,7 @@ from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patc
 from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
 from ..snapshot.builder import FlatDiff, Snapshot
-from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
 from ..kernels.warmup import ready as kernels_ready
 from ..kernels.warmup import request as request_kernels
 from ..kernels.warmup import widths_of
@@ -555,6 +555,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                 self._rx, self._pending = pending.rx, None
             version = self.version = new_version
             self._generation += 1
+            await written(journal, pending.plan if pending is not None else None)
         write_s = time.perf_counter() - t0
         stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
         nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
