@@ -28,3 +28,25 @@ async def test_lease_pauses_repairs_once_and_ends_bit_exact():
     assert report["patches"]["repairs"] == 0 and report["repair"]["repairs"] == 1
     assert report["patches"]["leases"] > 0 and report["repair"]["leases"] > 0
     assert set(report["repair"]) >= {"lease_wait_max_ms", "exclusive_write_max_ms", "seconds"}
+
+
+def test_loop_lag_reports_every_method_bit_exact(tmp_path):
+    """``examples/loop_lag.py`` at a small size: the JSON the issue asks for, per method, with
+    the nccl explorer in a second process over gloo (lag figures are the example's, not asserted)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "lag.json"
+    done = subprocess.run([sys.executable, str(root / "examples" / "loop_lag.py"), "--elements", "1000000",
+                           "--syncs", "2", "--methods", "memory,checkpoint,nccl", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"memory", "checkpoint", "nccl"} and "first_attach_ms" in report
+    for method, row in report["methods"].items():
+        assert {"sync_worst_ms", "sync_p99_ms", "stop_worst_ms"} <= set(row), method
+        assert row["final_version"] == 2 and row.get("bit_exact", True), (method, row)

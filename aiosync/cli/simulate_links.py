@@ -34,8 +34,8 @@ LINKS = {"slow": 50e6 / 8, "fast": 1e9 / 8}
 SYNCER = {"type": "patch", "patch": {"encoding": "auto", "init_sync": {"enabled": True}}}
 
 
-async def run_links(steps: int = 12, seed: int = 0, elements: int = 4_000_000, d_model: int = 256,
-                    vocab: int = 4096, lr: float = 2e-6) -> dict[str, Any]:
+async def run_links(steps: int = 12, seed: int = 0, elements: int = 16_000_000, d_model: int = 512,
+                    vocab: int = 8192, lr: float = 2e-6) -> dict[str, Any]:
     trainer = await run_sync(lambda: Trainer(transformer_state(elements, d_model, vocab, seed), lr, seed))
     for _ in range(3):  # past Adam's first-step regime, as the bench
         await run_sync(trainer.step)

@@ -14,8 +14,8 @@ them: ``docs/performance.md``); then from the lineage's builds (``bytes`` of eac
 built; ``S`` of both, from a version built in both) and the link's own deliveries (``B``: bytes
 over the seconds from send to the explorer's answer, less its apply; ``R`` of both, once it was
 served in both). Only differences decide, so both encodings' seconds are always taken under the
-same conditions. A link switches only when the other encoding is clearly better
-(:data:`HYSTERESIS`) and it has measured :data:`MIN_DELIVERIES` deliveries.
+same conditions. A link switches only when its bandwidth is clearly on the other side of the
+break-even (:data:`HYSTERESIS`) and it has measured :data:`MIN_DELIVERIES` deliveries.
 
 :class:`~aiosync.coordination.fanout.FanOut` builds each version once per encoding its links chose
 and hands each link its own; ``Synchronizer.metrics()["fanout"]["links"]`` says what each chose.
@@ -49,12 +49,12 @@ DEFAULT_COSTS = {
     "flat": Cost(bytes_per_changed=1.10, sender_s_per_changed=20e-9, receiver_s_per_changed=15e-9),
     "ctx": Cost(bytes_per_changed=0.78, sender_s_per_changed=45e-9, receiver_s_per_changed=25e-9),
 }
-#: Another encoding is taken only when it is expected to be this much faster.
-HYSTERESIS = 0.9
+#: A link takes ``ctx`` below this fraction of the break-even, and ``flat`` again above its inverse.
+HYSTERESIS = 0.8
 #: Deliveries a link measures before its first switch.
 MIN_DELIVERIES = 2
 #: Weight of the newest measurement in the running estimates.
-SMOOTHING = 0.5
+SMOOTHING = 0.3
 
 
 def break_even_bps(costs: dict[str, Cost] | None = None) -> float:
@@ -102,24 +102,23 @@ class LinkChoice:
         if self.served is not None and changed > 0 and apply >= 0:
             self.receiver_s[self.served] = _ewma(self.receiver_s.get(self.served), apply / changed)
 
-    def expected_s(self, encoding: str, costs: dict[str, Cost]) -> float | None:
-        """Seconds per changed element to deliver in ``encoding`` over this link (``None``: its
-        bandwidth is not measured yet)."""
-        if self.bandwidth is None:
-            return None
-        c = costs[encoding]
-        measured = all(e in self.receiver_s for e in ENCODINGS)  # both, or the defaults of both
-        receiver = self.receiver_s[encoding] if measured else c.receiver_s_per_changed
-        return c.sender_s_per_changed + receiver + c.bytes_per_changed / self.bandwidth
+    def costs(self, costs: dict[str, Cost]) -> dict[str, Cost]:
+        """The lineage's ``costs`` with this link's receiver seconds, once it measured both."""
+        if not all(e in self.receiver_s for e in ENCODINGS):
+            return costs
+        return {e: Cost(c.bytes_per_changed, c.sender_s_per_changed, self.receiver_s[e]) for e, c in costs.items()}
 
     def decide(self, costs: dict[str, Cost]) -> str:
-        """The encoding for the next version (and remember it)."""
-        if self.deliveries >= MIN_DELIVERIES:
-            now = self.expected_s(self.encoding, costs)
-            other = "ctx" if self.encoding == "flat" else "flat"
-            alt = self.expected_s(other, costs)
-            if now is not None and alt is not None and alt < HYSTERESIS * now:
-                self.encoding = other
+        """The encoding for the next version (and remember it): ``ctx`` once the link's bandwidth
+        is below the break-even by :data:`HYSTERESIS`, ``flat`` once above it by as much."""
+        if self.deliveries >= MIN_DELIVERIES and self.bandwidth is not None:
+            edge = break_even_bps(self.costs(costs)) / 8
+            bandwidth = self.bandwidth
+            if self.encoding == "flat" and bandwidth < HYSTERESIS * edge:
+                self.encoding = "ctx"
+                self.switches += 1
+            elif self.encoding == "ctx" and bandwidth * HYSTERESIS > edge:
+                self.encoding = "flat"
                 self.switches += 1
         return self.encoding
 

@@ -292,12 +292,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         unknown state: every later ``sync`` raises :class:`PatchChainError` until
         ``init_sender`` runs again.
         """
-        version = check_version(version)
-        if self._chain_broken is not None:
-            raise PatchChainError(f"cannot build patch {version}: {self._chain_broken}; call init_sender again to "
-                                  "re-bootstrap the receiver", expected_base=self._last_version, receiver_version=None)
-        if self._last_version is not None and version <= self._last_version:
-            raise VersionError(f"version {version} is not greater than the last synced version {self._last_version}")
+        version = self._check_next(version)
         if not self._is_sender:
             for key in self._slot_keys:
                 await run_sync(materialize, state_dict[key])
@@ -320,15 +315,20 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         sender cannot build now (``ctx`` before its kernels load; a sharded or CUDA state) is
         left out; the first of ``encodings`` it can build is always there.
         :meth:`encoding_statistics` says what each cost. Same checks and chain rules as :meth:`sync`."""
+        version = self._check_next(version)
+        if self._snapshot is None or not self._is_sender:
+            raise RuntimeError("call init_sender (as the sender) before sync_encodings")
+        return await self._build_encoded(state_dict, version, encodings)
+
+    def _check_next(self, version: int) -> int:
+        """``version`` as the next one to build: an int64 above the last, on an unbroken chain."""
         version = check_version(version)
         if self._chain_broken is not None:
             raise PatchChainError(f"cannot build patch {version}: {self._chain_broken}; call init_sender again to "
                                   "re-bootstrap the receiver", expected_base=self._last_version, receiver_version=None)
         if self._last_version is not None and version <= self._last_version:
             raise VersionError(f"version {version} is not greater than the last synced version {self._last_version}")
-        if self._snapshot is None or not self._is_sender:
-            raise RuntimeError("call init_sender (as the sender) before sync_encodings")
-        return await self._build_encoded(state_dict, version, encodings)
+        return version
 
     def encoding_statistics(self) -> dict[str, SyncStatistics]:
         """Per encoding, what the last :meth:`sync_encodings` (or :meth:`sync`) built: bytes,
