@@ -1,12 +1,15 @@
 """Strict construction of config dataclasses from plain mappings or OmegaConf nodes.
 
-Unknown keys are errors naming the key and its path: a typo must never be ignored.
+Unknown keys are errors naming the key and its path: a typo must never be ignored. Every
+field's value is checked against its annotation (:func:`check_types`): a bool is not a number,
+a number is not a string, a path is a string.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -70,3 +73,39 @@ def check_seconds(name: str, value: Any) -> float:
         raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r} (every wait has a "
                           "bound; there is no 'wait forever': use a large finite number)")
     return value
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null",
+          list: "a list"}
+
+
+def _accepts(kind: type, value: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is type(None):
+        return value is None
+    return isinstance(value, kind)
+
+
+def check_types(obj: Any, path: str, *, skip: tuple[str, ...] = ()) -> None:
+    """Check every field of dataclass ``obj`` against its annotation (``bool``, ``int``,
+    ``float``, ``str``, ``list[...]`` and their unions with ``None``; other annotations are
+    left to the class): :class:`ConfigError` naming ``path.field``, what it must be and what
+    it got. ``skip``: fields the class checks itself."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = [typing.get_origin(a) or a for a in args]
+        if not all(k in _KINDS for k in kinds):
+            continue
+        value = getattr(obj, f.name)
+        if not any(_accepts(k, value) for k in kinds):
+            want = " or ".join(_KINDS[k] for k in kinds)
+            raise ConfigError(f"{path}.{f.name} must be {want}, got {value!r} ({type(value).__name__})")

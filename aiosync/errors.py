@@ -104,3 +104,25 @@ class DrainError(AiosyncError, RuntimeError):
         super().__init__(message)
         self.explorers = explorers
         self.target = target
+
+
+class CheckpointHeldError(AiosyncError, RuntimeError):
+    """A checkpoint directory is held by another run (a second trainer on it, or the directory
+    was taken over or replaced under this one): nothing was written. ``holder`` describes the
+    run that holds it (run id, host, process, last publish), when one does."""
+
+    def __init__(self, message: str, *, directory: str, holder: dict | None = None):
+        super().__init__(message)
+        self.directory = directory
+        self.holder = holder
+
+
+class CheckpointWriteError(AiosyncError, OSError):
+    """Writing a checkpoint file failed (a full disk: ``ENOSPC``; a file size limit: ``EFBIG``;
+    ...). Nothing was published and nothing is left behind. ``errno`` is the OS error's;
+    ``directory`` and ``version`` say what was being written."""
+
+    def __init__(self, message: str, *, errno: int | None, directory: str, version: int):
+        super().__init__(errno, message)
+        self.directory = directory
+        self.version = version

@@ -7,6 +7,7 @@ a torn (or wrong) read is detectable.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -165,3 +166,39 @@ def load_example(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def dead(directory) -> None:
+    """Make the hold of ``directory`` (a CheckpointDir's path, or one) look like its run's process
+    died: its pid becomes the pid of a child process that has exited."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    for path in Path(getattr(directory, "path", directory)).glob(".hold-*.json"):
+        fields = json.loads(path.read_text())
+        path.write_text(json.dumps(fields | {"pid": child.pid, "start": ""}))
+
+
+@contextlib.asynccontextmanager
+async def two_writer_synchronizer(path, state, shard_of_writer_1):
+    """A CHECKPOINT synchronizer whose trainer is writer 0 of 2 (``state``), attached while
+    writer 1 (another ``CheckpointDir`` of run ``run``) publishes its shard of version 0;
+    yields ``(sync, writer_1)``."""
+    import anyio
+
+    from aiosync.aio import run_sync
+    from aiosync.checkpoints import CheckpointDir
+    from aiosync.coordination import Synchronizer
+
+    other = CheckpointDir(path, run_id="run")
+    cfg = dict(method="checkpoint", checkpoint_dir=str(path), checkpoint_writers=2, style="trainer_driven",
+               sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD * 2):
+        async with Synchronizer(cfg, PATCH) as sync:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: sync.attach_trainer(state, writer_rank=0, run_id="run"))
+                await run_sync(other.publish, shard_of_writer_1, 0, writer=(1, 2))  # joins writer 0's hold
+            yield sync, other

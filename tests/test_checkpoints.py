@@ -4,7 +4,9 @@ load, and :func:`check_tensors_fit`, the one check of a checkpoint against a mod
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch
 from aiosync.checkpoints import CheckpointDir, TensorSlice, check_tensors_fit
 from aiosync.errors import HandshakeError, PayloadError, VersionError
 
-from helpers import rollout_model, same_bits, weights
+from aiosync.aio import run_sync
+from helpers import dead, rollout_model, same_bits, weights
 
 
 def _state(v: float) -> dict[str, torch.Tensor]:
@@ -20,14 +23,18 @@ def _state(v: float) -> dict[str, torch.Tensor]:
             "n": torch.tensor(int(v), dtype=torch.int64)}
 
 
+def _files(path) -> list[str]:
+    """The checkpoint files of a directory (not its hold files)."""
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
+
+
 def test_publish_discover_load_and_remove_superseded(tmp_path):
-    d = CheckpointDir(tmp_path / "ckpt")
+    d = CheckpointDir(tmp_path / "ckpt", run_id="r1")
     assert d.newest() is None and d.newest_version() is None
     d.publish(_state(1), 1)
     d.publish(_state(2), 2, keep=True)  # a full checkpoint: marked and kept
     d.publish(_state(3), 3)
-    names = sorted(os.listdir(d.path))
-    assert names == ["full-000000000002.safetensors", "sync-000000000003.safetensors"]
+    assert _files(d.path) == ["full-000000000002.r1.safetensors", "sync-000000000003.r1.safetensors"]
     version, tensors = d.load()
     assert version == 3
     assert all(torch.equal(tensors[k], v) for k, v in _state(3).items())
@@ -48,7 +55,7 @@ def test_publish_is_atomic_on_failure(tmp_path):
     bad = {"w": object()}  # not a tensor: the write fails
     with pytest.raises(Exception):
         d.publish(bad, 2)  # type: ignore[arg-type]
-    assert sorted(os.listdir(tmp_path)) == ["sync-000000000001.safetensors"]  # no temporary file left
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".hold")] == [d.file_for(1).name]  # no temporary
     assert d.load()[0] == 1
 
 
@@ -64,7 +71,10 @@ def test_checkpoint_metadata_is_checked_and_temporaries_are_cleaned(tmp_path):
     d = CheckpointDir(tmp_path)
     d.publish(weights(1), 1)
     d.publish(weights(2), 2, keep=True)
-    assert d.metadata(d.file_for(2, keep=True)) == {"version": "2", "kind": "full"}
+    meta = d.metadata(d.file_for(2, keep=True))
+    assert {k: meta[k] for k in ("version", "kind", "run", "digest")} == {
+        "version": "2", "kind": "full", "run": d.run_id, "digest": "blake3-128"}
+    assert set(json.loads(meta["digests"])) == set(weights(2))
     assert [v for v, _ in d.versions("full")] == [2] and d.newest_version() == 2
     assert not d.file_for(1).exists()  # superseded by 2
     os.rename(d.file_for(2, keep=True), d.file_for(5))  # a mislabelled file is refused, never applied
@@ -77,29 +87,30 @@ def test_checkpoint_metadata_is_checked_and_temporaries_are_cleaned(tmp_path):
     fresh.write_bytes(b"in progress")
     assert d.remove_stale_temporaries(older_than=60) == 1 and fresh.exists()
     assert d.newest()[0] == 5  # temporaries are never discovered
-    with pytest.raises(VersionError):
-        d.publish(weights(3), 3)
+    d.publish(weights(3), 3)  # above what this run published: the mislabelled file is no version of it
+    assert d.read_newest()[0] == 3 and "holds version '2'" in str(d.refused[-1][1])
 
 
 def test_an_unreadable_file_is_a_payload_error(tmp_path):
     d = CheckpointDir(tmp_path)
+    d.publish(weights(1), 1)
     d.file_for(4).write_bytes(b"not safetensors at all")
-    with pytest.raises(PayloadError, match="cannot read checkpoint"):
+    with pytest.raises(PayloadError, match=r"checkpoint sync-000000000004\.\w+\.safetensors: header of"):
         d.load()
 
 
 def test_publishing_into_a_directory_of_an_earlier_run_says_how_to_proceed(tmp_path):
     earlier = CheckpointDir(tmp_path)
     earlier.publish(weights(7), 7)  # an earlier run left version 7 behind
+    dead(earlier)
     d = CheckpointDir(tmp_path)
     with pytest.raises(VersionError) as info:
         d.publish(weights(1), 1)
     msg = str(info.value)
     assert "version 1" in msg and "not above the newest published 7" in msg
-    assert "sync-000000000007.safetensors" in msg  # the newest file, by name
-    assert "another (earlier) run" in msg
-    assert "empty directory" in msg and "remove the old files" in msg and "version= above 7" in msg
-    assert sorted(os.listdir(tmp_path)) == ["sync-000000000007.safetensors"]  # nothing written
+    assert "an earlier run of this directory" in msg
+    assert "empty directory" in msg and "version= above 7" in msg
+    assert _files(tmp_path) == [earlier.file_for(7).name]  # nothing written
     d.publish(weights(8), 8)  # above the newest: fine
     assert d.newest_version() == 8
 
@@ -152,7 +163,7 @@ def test_load_checks_the_file_against_the_model_it_is_for(tmp_path):
     version, tensors = d.load(target=rollout_model())
     assert version == 2 and same_bits(tensors["w"], weights(2)["w"])
     d.publish({"w": torch.zeros(2, 2)}, 3)  # wrong shape for the model
-    with pytest.raises(HandshakeError, match=r"checkpoint sync-000000000003.safetensors: 'w' has shape \(2, 2\)"):
+    with pytest.raises(HandshakeError, match=r"checkpoint sync-000000000003\.\w+\.safetensors: 'w' has shape \(2, 2\)"):
         d.load(target=rollout_model())
     assert d.load()[0] == 3  # without a target, no check
 
@@ -168,68 +179,72 @@ def _halves(v: float) -> tuple[dict, dict]:
     return w0, w1, full
 
 
+def _writers(path, n: int = 2) -> list[CheckpointDir]:
+    """The handles of ``n`` writers of one run."""
+    return [CheckpointDir(path, run_id="run") for _ in range(n)]
+
+
 def test_a_version_of_two_writers_is_published_only_when_both_shards_are_in(tmp_path):
-    d = CheckpointDir(tmp_path)
+    d, d1 = _writers(tmp_path)
     w0, w1, full = _halves(1.0)
     d.publish(w0, 1, writer=(0, 2))
     assert d.newest() is None  # one shard of two: not published
     with pytest.raises(FileNotFoundError, match="no published checkpoint"):
         d.load()
-    d.publish(w1, 1, writer=(1, 2))
+    d1.publish(w1, 1, writer=(1, 2))
     version, tensors = d.load()
     assert version == 1 and set(tensors) == set(full)
     assert all(same_bits(tensors[k], full[k]) for k in full)
     # the next version: superseded shards go only once it is complete
     w0, w1, full2 = _halves(2.0)
-    d.publish(w1, 2, writer=(1, 2))
+    d1.publish(w1, 2, writer=(1, 2))
     assert d.newest_version() == 1 and d.load()[0] == 1  # version 1 still readable
     d.publish(w0, 2, writer=(0, 2))
     assert d.newest_version() == 2 and same_bits(d.load()[1]["w"], full2["w"])
-    assert sorted(os.listdir(tmp_path)) == ["sync-000000000002.w00000-of-00002.safetensors",
-                                            "sync-000000000002.w00001-of-00002.safetensors"]
+    assert _files(tmp_path) == ["sync-000000000002.run.w00000-of-00002.safetensors",
+                                "sync-000000000002.run.w00001-of-00002.safetensors"]
 
 
 @pytest.mark.parametrize("case", ["overlap", "gap", "whole_and_slice"])
 def test_shards_that_do_not_tile_a_tensor_are_refused(tmp_path, case):
-    d = CheckpointDir(tmp_path)
+    d, d1 = _writers(tmp_path)
     w = torch.arange(12.0).reshape(3, 4)
     first = w if case == "whole_and_slice" else TensorSlice(w[:2], (0, 0), (3, 4))
     second = {"overlap": TensorSlice(w[1:], (1, 0), (3, 4)), "gap": TensorSlice(w[2:3, :2], (2, 0), (3, 4)),
               "whole_and_slice": TensorSlice(w[2:], (2, 0), (3, 4))}[case]
     d.publish({"w": first}, 1, writer=(0, 2))
-    d.publish({"w": second}, 1, writer=(1, 2))
+    d1.publish({"w": second}, 1, writer=(1, 2))
     with pytest.raises(PayloadError, match="overlap or leave gaps|written whole"):
         d.load()
 
 
 def test_writers_other_than_0_do_not_write_plain_tensors(tmp_path):
     """A plain tensor counts as replicated (every rank of a sharded trainer holds it)."""
-    d = CheckpointDir(tmp_path)
+    d, d1 = _writers(tmp_path)
     w0, w1, full = _halves(1.0)
     d.publish(w0, 1, writer=(0, 2))
-    d.publish(w1 | {"extra": torch.ones(2)}, 1, writer=(1, 2))
+    d1.publish(w1 | {"extra": torch.ones(2)}, 1, writer=(1, 2))
     assert set(d.load()[1]) == set(full)
 
 
 def test_a_shard_whose_name_lies_about_its_writer_is_refused(tmp_path):
-    d = CheckpointDir(tmp_path)
+    d, d1 = _writers(tmp_path)
     w0, w1, _ = _halves(1.0)
-    d.publish(w0, 1, writer=(0, 2))
-    p = d.publish(w1, 1, writer=(1, 2))
-    os.replace(p, tmp_path / "sync-000000000001.w00000-of-00002.safetensors")  # writer 1's file as writer 0's
-    d.publish(w1, 1, writer=(1, 2))
+    p0 = d.publish(w0, 1, writer=(0, 2))
+    p1 = d1.publish(w1, 1, writer=(1, 2))
+    shutil.copyfile(p1, p0)  # writer 1's file as writer 0's
     with pytest.raises(PayloadError, match="says it is writer"):
         d.load()
 
 
 def test_names_that_only_look_like_checkpoints_are_ignored(tmp_path):
-    d = CheckpointDir(tmp_path)
-    d.publish(_state(1), 1)
-    src = tmp_path / "sync-000000000001.safetensors"
-    (tmp_path / "sync-000000000002.safetensors\n").write_bytes(src.read_bytes())  # a trailing newline
-    (tmp_path / "sync-00000000000\u0663.safetensors").write_bytes(src.read_bytes())  # an Arabic-Indic digit
-    (tmp_path / f"sync-{2**63:012d}.safetensors").write_bytes(src.read_bytes())  # above int64
-    (tmp_path / "sync-000000000009.safetensors").symlink_to(src)  # a symlink may point anywhere
+    d = CheckpointDir(tmp_path, run_id="r")
+    src = d.publish(_state(1), 1)
+    (tmp_path / "sync-000000000002.r.safetensors\n").write_bytes(src.read_bytes())  # a trailing newline
+    (tmp_path / "sync-00000000000\u0663.r.safetensors").write_bytes(src.read_bytes())  # an Arabic-Indic digit
+    (tmp_path / f"sync-{2**63:012d}.r.safetensors").write_bytes(src.read_bytes())  # above int64
+    (tmp_path / "sync-000000000009.r.safetensors").symlink_to(src)  # a symlink may point anywhere
+    (tmp_path / "sync-000000000010.r.x.safetensors").write_bytes(src.read_bytes())  # a dot in the run id
     assert d.versions() == [(1, src)]
 
 
@@ -238,41 +253,33 @@ def test_names_that_only_look_like_checkpoints_are_ignored(tmp_path):
 async def test_the_synchronizer_publishes_a_version_only_when_every_writer_wrote_its_shard(tmp_path):
     import anyio
 
-    from aiosync.coordination import Synchronizer
-    from helpers import HANG_GUARD, PATCH, holds, train_to, trainer_state
+    from helpers import HANG_GUARD, holds, train_to, trainer_state, two_writer_synchronizer
 
     state = trainer_state()
-    other = CheckpointDir(tmp_path)  # the other trainer rank, writer 1 (its plain tensors are writer 0's)
-    cfg = dict(method="checkpoint", checkpoint_dir=str(tmp_path), checkpoint_writers=2, style="trainer_driven",
-               sync_timeout=HANG_GUARD, delivery_timeout=HANG_GUARD)
-    with anyio.fail_after(HANG_GUARD * 2):
-        async with Synchronizer(cfg, PATCH) as sync:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: sync.attach_trainer(state, writer_rank=0))
-                other.publish({}, 0, writer=(1, 2))  # version 0, writer 1
-            trainer = sync.trainer
-            ex = await sync.attach_explorer("e0", rollout_model())
-            train_to(state, 1)
-            done = anyio.Event()
+    async with two_writer_synchronizer(tmp_path, state, {}) as (sync, other):  # writer 1: plain tensors are writer 0's
+        trainer = sync.trainer
+        ex = await sync.attach_explorer("e0", rollout_model())
+        train_to(state, 1)
+        done = anyio.Event()
 
-            async def publish_1():
-                await trainer.sync_weight(1)
-                done.set()
+        async def publish_1():
+            await trainer.sync_weight(1)
+            done.set()
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(publish_1)
-                with anyio.fail_after(HANG_GUARD):
-                    while not (tmp_path / "sync-000000000001.w00000-of-00002.safetensors").exists():
-                        await anyio.sleep(0.01)  # writer 0's shard is on disk, the version is not published
-                assert not done.is_set() and other.newest_version() == 0 and trainer.version == 0
-                other.publish({}, 1, writer=(1, 2))
-                await done.wait()
-            assert trainer.version == 1 and other.newest_version() == 1
-            assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
-            other.publish({}, 2, writer=(1, 2))
-            train_to(state, 2)
-            await trainer.sync_weight(2)  # writer 1's shard is already in: published at once
-            await trainer.stop()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish_1)
+            with anyio.fail_after(HANG_GUARD):
+                while not (tmp_path / "sync-000000000001.run.w00000-of-00002.safetensors").exists():
+                    await anyio.sleep(0.01)  # writer 0's shard is on disk, the version is not published
+            assert not done.is_set() and other.newest_version() == 0 and trainer.version == 0
+            other.publish({}, 1, writer=(1, 2))
+            await done.wait()
+        assert trainer.version == 1 and other.newest_version() == 1
+        assert await ex.sync_weight() == 1 and holds(ex.slot.model, 1)
+        other.publish({}, 2, writer=(1, 2))
+        train_to(state, 2)
+        await trainer.sync_weight(2)  # writer 1's shard is already in: published at once
+        await trainer.stop()
     assert ex.version == 2 and holds(ex.slot.model, 2)
 
 
@@ -288,9 +295,11 @@ def test_two_writers_need_a_writer_rank(tmp_path):
                                 PATCH) as sync:
             await sync.attach_trainer(trainer_state(), **kw)
 
-    with pytest.raises(ConfigError, match="writer_rank"):
+    with pytest.raises(ConfigError, match="run_id="):
         anyio.run(attach)
+    with pytest.raises(ConfigError, match="writer_rank"):
+        anyio.run(lambda: attach(run_id="r"))
     with pytest.raises(ConfigError, match=r"writer_rank 2 is not in \[0, 2\)"):
-        anyio.run(lambda: attach(writer_rank=2))
+        anyio.run(lambda: attach(writer_rank=2, run_id="r"))
     with pytest.raises(ConfigError, match="checkpoint only"):
         Synchronizer(dict(checkpoint_writers=2), PATCH)

@@ -194,7 +194,7 @@ def _scenario_checkpoint(rank: int, world: int, out: Path, extra: dict) -> dict:
                     await trainer.sync_weight(v)
                     await anyio.sleep(0.01)
                 await trainer.stop()
-            return {"files": sorted(os.listdir(directory))}
+            return {"files": sorted(os.listdir(directory)), "run": sync.source.directory.run_id}
 
         return anyio.run(write)
 
@@ -348,11 +348,12 @@ def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from aiosync.checkpoints import CheckpointDir
+    from aiosync.checkpoints import CheckpointDir, shared_run_id
     from aiosync.coordination import Synchronizer
     from aiosync.syncers import gather_full_state
 
     dist.init_process_group("gloo")
+    run = shared_run_id()  # every writer publishes as one run
     steps, directory = extra["steps"], out / "ckpt"
     torch.manual_seed(0)
     model = _Net()
@@ -363,7 +364,7 @@ def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) 
         _train_step(model, opt, step, rank)
 
     if rank == 1:
-        d = CheckpointDir(directory)
+        d = CheckpointDir(directory, run_id=run)
         d.publish(model.state_dict(), 0, writer=(1, 2))
         for step in range(1, steps + 1):
             train_step(step)
@@ -371,14 +372,14 @@ def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) 
                 _wait_for_file(out / "go")
             d.publish(model.state_dict(), step, writer=(1, 2))
         gather_full_state(model)  # a collective: rank 0 gathers too, to check its explorer
-        return {"files": sorted(p.name for p in directory.iterdir())}
+        return {"files": sorted(p.name for p in directory.iterdir() if p.name[0] != "."), "run": run}
 
     async def train() -> dict:
         cfg = dict(method="checkpoint", checkpoint_dir=str(directory), checkpoint_writers=2, style="trainer_driven",
                    sync_timeout=OP_TIMEOUT, delivery_timeout=OP_TIMEOUT)
         held_back = None
         async with Synchronizer(cfg, PATCH) as sync:
-            trainer = await sync.attach_trainer(model)  # writer 0: its torch.distributed rank
+            trainer = await sync.attach_trainer(model, run_id=run)  # writer 0: its torch.distributed rank
             explorer = await sync.attach_explorer("e0", _Net().to(torch.bfloat16))
             for step in range(1, steps + 1):
                 await anyio.to_thread.run_sync(train_step, step)
@@ -387,7 +388,7 @@ def _scenario_checkpoint_writers(rank: int, world: int, out: Path, extra: dict) 
                     continue
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(trainer.step_done)
-                    own = directory / "sync-000000000002.w00000-of-00002.safetensors"
+                    own = directory / f"sync-000000000002.{run}.w00000-of-00002.safetensors"
                     while not own.exists():
                         await anyio.sleep(0.01)
                     held_back = CheckpointDir(directory).newest_version()  # only writer 0's shard of 2 is in
@@ -428,7 +429,8 @@ def test_checkpoint_reader_never_sees_a_half_written_file(tmp_path):
     assert r[1]["bad"] == []  # every file the reader loaded was whole and consistent
     assert r[1]["seen"][-1] == versions and len(r[1]["seen"]) >= 2
     assert r[1]["held"] == versions and r[1]["holds"]
-    assert r[0]["files"] == [f"sync-{versions:012d}.safetensors"]  # superseded files removed, no temporaries
+    files = [n for n in r[0]["files"] if not n.startswith(".hold-")]  # superseded files removed, no temporaries
+    assert files == [f"sync-{versions:012d}.{r[0]['run']}.safetensors"]
 
 
 def test_late_joining_explorer_is_bootstrapped_then_patched(tmp_path):
@@ -480,4 +482,4 @@ def test_a_sharded_trainer_whose_ranks_each_write_a_checkpoint_shard(tmp_path):
     r = results(tmp_path, [0, 1])
     assert r[0]["held_back"] == 1  # version 2 was not published while writer 1's shard was missing
     assert r[0]["final"] == steps and r[0]["bit_exact"]
-    assert r[1]["files"] == [f"sync-{steps:012d}.w0000{i}-of-00002.safetensors" for i in (0, 1)]
+    assert r[1]["files"] == [f"sync-{steps:012d}.{r[1]['run']}.w0000{i}-of-00002.safetensors" for i in (0, 1)]

@@ -275,20 +275,13 @@ async def test_superseded_weights_are_freed_off_the_event_loop(method, tmp_path)
         await ex.sync_weight()
         source = sync.source
         held = source._cache if method == "checkpoint" else source.latest
-        buffer = held.state["w"].data_ptr()
         weakref.finalize(held.state["w"], lambda: freed_in.append(threading.current_thread()))
         del held
         train_to(state, 2)
         await trainer.sync_weight(2)
         await ex.sync_weight()  # CHECKPOINT: loading version 2 replaces the cached version 1
         assert ex.version == 2
-        if method == "checkpoint":  # loaded into the buffers of the version it replaced: nothing freed
-            assert source._cache.version == 2 and source._cache.state["w"].data_ptr() == buffer
-            assert torch.equal(source._cache.state["w"], state["w"])
-    if method == "checkpoint":
-        assert freed_in == []
-    else:
-        assert len(freed_in) == 1 and freed_in[0] is not loop_thread
+    assert len(freed_in) == 1 and freed_in[0] is not loop_thread
 
 
 # ------------------------------------------------------------------ 6. no slow imports on the loop
@@ -351,7 +344,7 @@ async def test_reusing_a_checkpoint_directory_of_an_earlier_run_says_how_to_proc
         async with Synchronizer(cfg, PATCH) as sync:
             await sync.attach_trainer(trainer_state())
     text = str(caught.value)
-    assert "earlier" in text and "version=" in text and "sync-000000000005" in text
+    assert "earlier run" in text and "version= above 5" in text and str(tmp_path) in text
 
 
 # ------------------------------------------------------------------ 8. a dead explorer is declared lost

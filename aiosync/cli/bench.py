@@ -43,6 +43,7 @@ from ..syncers import WeightSyncer
 from ..syncers.kernels.warmup import warm_up
 from ..syncers.common.bits import as_bits
 from ..transports.inproc import inproc_pair
+from .args import integer, number, output_path
 
 GBIT_BYTES_PER_S = 1e9 / 8
 
@@ -362,32 +363,35 @@ def print_table(report: dict[str, Any]) -> None:
                       f"here (flat above; a link starts from {even['default_bps'] / 1e6:.0f} Mbit/s until it measures)")
 
 
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown or text!r}; valid: {', '.join(MODES)}")
+    return modes
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="compare patch and bucket sync on a realistic update", description=__doc__)
-    p.add_argument("--elements", type=float, default=100e6, help="synced elements (default 100e6)")
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (RL range 1e-6 to 3e-6)")
-    p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the first sync")
+    p.add_argument("--elements", type=number(1), default=100e6, help="synced elements (default 100e6)")
+    p.add_argument("--d-model", type=integer(8), default=1024)
+    p.add_argument("--vocab", type=integer(1), default=32000)
+    p.add_argument("--lr", type=number(0, above=True), default=2e-6, help="AdamW learning rate (RL range 1e-6 to 3e-6)")
+    p.add_argument("--warmup", type=integer(0), default=3, help="optimizer steps before the first sync")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket,patch-flat,patch-ctx")
-    p.add_argument("--rounds", type=int, default=3, help="timed in-process syncs per mode; medians are reported")
+    p.add_argument("--modes", type=_modes, default="patch-seed,patch,bucket", help="comma-separated subset of patch-seed,patch,bucket,patch-flat,patch-ctx")
+    p.add_argument("--rounds", type=integer(1), default=3, help="timed in-process syncs per mode; medians are reported")
     p.add_argument("--quick", action="store_true", help="a small run (about 4 M elements)")
-    p.add_argument("--bucket-size", type=int, default=BENCH_BUCKET_SIZE,
+    p.add_argument("--bucket-size", type=integer(1), default=BENCH_BUCKET_SIZE,
                    help=f"bucket mode's bucket_size in bytes (default {BENCH_BUCKET_SIZE})")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the results as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; valid: {', '.join(MODES)}")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    modes = args.modes
     n, d_model, vocab = int(args.elements), args.d_model, args.vocab
     if args.quick:
         n, d_model, vocab = 4_000_000, 256, 4096

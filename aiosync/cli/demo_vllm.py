@@ -355,10 +355,6 @@ def run(args: Any) -> int:
               "pip uninstall -y torchvision torchaudio torchcodec) or -e \".[vllm]\" (GPU); see README.md",
               file=sys.stderr)
         return 2
-    if (args.steps is not None and args.steps < 1) or (args.max_seconds is not None and args.max_seconds <= 0) \
-            or (args.max_staleness is not None and args.max_staleness < 0):
-        print("aiosync demo: --steps must be >= 1, --max-seconds > 0, --max-staleness >= 0", file=sys.stderr)
-        return 2
     cfg = VLLMDemoConfig(seed=args.seed, loop=args.loop)
     cfg.steps = args.steps if args.steps is not None else cfg.steps
     cfg.max_seconds = args.max_seconds if args.max_seconds is not None else cfg.max_seconds

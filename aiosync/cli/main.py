@@ -33,9 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse (every argument is checked here, before any work), run; a configuration error is one
+    line on stderr and exit status 2, not a traceback."""
+    from ..errors import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"aiosync {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from ..errors import PeerTimeoutError
 from ..syncers.faults import ApplyFaults, flaky_syncer_factory
 from ..transports.faults import FaultProfile
 from ..transports.simulated import simulated_pair
+from .args import integer, number, output_path
 
 
 @dataclass
@@ -427,28 +428,28 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
     p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, *MODULES]))
-    p.add_argument("--explorers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="train steps (default: the scenario's)")
+    p.add_argument("--explorers", type=integer(1, 64), default=2)
+    p.add_argument("--steps", type=integer(1), default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
     p.add_argument("--style", choices=["fixed", "trainer_driven", "explorer_driven"], default=None)
     p.add_argument("--syncer", choices=["patch", "bucket"], default=None)
     p.add_argument("--no-wait", dest="no_wait", action="store_true", default=None,
                    help="sync_weight_no_wait (patch only)")
     p.add_argument("--wait", dest="no_wait", action="store_false", help="blocking syncs")
-    p.add_argument("--latency", type=float, default=None, help="seconds, one way")
-    p.add_argument("--bandwidth", type=float, default=None, help="bytes per second")
-    p.add_argument("--minutes", type=float, default=None,
+    p.add_argument("--latency", type=number(0), default=None, help="seconds, one way")
+    p.add_argument("--bandwidth", type=number(0, above=True), default=None, help="bytes per second")
+    p.add_argument("--minutes", type=number(0, above=True), default=None,
                    help="run the trainer this many minutes instead of --steps steps (a soak; e.g. with --scenario faults)")
-    p.add_argument("--max-staleness", dest="max_staleness", type=int, default=None,
+    p.add_argument("--max-staleness", dest="max_staleness", type=integer(0), default=None,
                    help="the trainer's staleness filter (versions); dropped samples are rollouts_wasted")
-    p.add_argument("--max-ahead", dest="max_ahead", type=int, default=None,
+    p.add_argument("--max-ahead", dest="max_ahead", type=integer(0), default=None,
                    help="admission control: explorers start a rollout only within this many versions of the trainer "
                         "(the trainer then trains on what explorers produce, --batch 1)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=integer(0), default=None,
                    help="usable samples the trainer needs per step (default 0, or 1 with --max-ahead)")
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", default=None, help="write the report here")
+    p.add_argument("--json", metavar="PATH", type=output_path, default=None, help="write the report here")
     p.set_defaults(func=run)
 
 

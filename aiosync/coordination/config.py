@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from .._strict import from_mapping, to_plain
+from .._strict import check_types, from_mapping, to_plain
 from ..errors import ConfigError
 from .styles import SyncMethod, SyncStyle
 
@@ -41,8 +42,11 @@ class SynchronizerConfig:
       explorers apply in a background task. Patch syncers only.
     * ``max_staleness``: samples generated more than this many versions behind the trainer are
       dropped (or down-weighted, ``staleness_mode: downweight``); ``null`` keeps everything.
-    * ``staleness_mode``: ``drop`` | ``downweight``; ``staleness_decay``: weight factor per
-      version beyond ``max_staleness`` when down-weighting.
+    * ``staleness_mode``: ``drop`` | ``downweight`` (with ``max_staleness`` only);
+      ``staleness_decay``: weight factor per version beyond ``max_staleness`` (``downweight`` only).
+
+    Every value is type-checked (a bool is not a number); a key that does not apply to the
+    chosen method, style or mode is refused when set to anything but its default.
     * ``max_ahead``: admission control (throttling). An explorer starts a rollout (a lease) only
       while the trainer's newest published version is at most this many versions ahead of the
       weights it holds; otherwise the lease first gets newer weights (it asks, and waits at most
@@ -52,7 +56,8 @@ class SynchronizerConfig:
       and no rollout is wasted.
     * ``delivery_timeout``: the longest one delivery (build, transfer, apply, including waiting
       for leases to end) may take before the link gives it up and re-bootstraps the explorer.
-    * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it).
+    * ``checkpoint_dir``: directory of the ``checkpoint`` method (required for it, refused for the
+      others); a string (or ``os.PathLike``).
     * ``checkpoint_writers``: trainer ranks that each write a shard of every version (a sharded
       trainer, e.g. FSDP2); a version is published once all are in (``checkpoint`` only).
     * ``liveness_timeout``: an explorer that runs but shows no sign of life (no call into its API,
@@ -75,11 +80,14 @@ class SynchronizerConfig:
     liveness_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        try:
-            self.method = SyncMethod.parse(self.method)
-            self.style = SyncStyle.parse(self.style)
-        except ValueError as exc:
-            raise ConfigError(f"synchronizer: {exc}") from None
+        for name, enum in (("method", SyncMethod), ("style", SyncStyle)):
+            try:
+                setattr(self, name, enum.parse(getattr(self, name)))
+            except ValueError as exc:
+                raise ConfigError(f"synchronizer.{name}: {exc}") from None
+        if isinstance(self.checkpoint_dir, os.PathLike):
+            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
+        check_types(self, "synchronizer", skip=("method", "style"))
         if not _is_int(self.sync_interval) or self.sync_interval < 1:
             raise ConfigError(
                 f"synchronizer.sync_interval must be an integer >= 1 (steps between syncs), got {self.sync_interval!r}; "
@@ -115,18 +123,26 @@ class SynchronizerConfig:
             raise ConfigError(
                 f"synchronizer.staleness_mode must be one of {', '.join(STALENESS_MODES)}, got {self.staleness_mode!r}"
             )
-        if not isinstance(self.staleness_decay, (int, float)) or not 0.0 <= self.staleness_decay <= 1.0:
+        if not 0.0 <= self.staleness_decay <= 1.0:
             raise ConfigError(f"synchronizer.staleness_decay must be a number in [0, 1], got {self.staleness_decay!r}")
+        if self.staleness_mode != "drop" and self.max_staleness is None:
+            raise ConfigError(f"synchronizer.staleness_mode={self.staleness_mode} applies only with max_staleness "
+                              "(null keeps every sample at weight 1): set max_staleness, or remove staleness_mode")
+        if self.staleness_decay != 0.5 and self.staleness_mode != "downweight":
+            raise ConfigError(f"synchronizer.staleness_decay={self.staleness_decay} applies only to staleness_mode: "
+                              f"downweight (it is {self.staleness_mode}): set staleness_mode: downweight, or remove "
+                              "staleness_decay")
         if self.method is SyncMethod.CHECKPOINT and not self.checkpoint_dir:
             raise ConfigError("synchronizer.method: checkpoint needs synchronizer.checkpoint_dir (a directory path)")
+        if self.checkpoint_dir is not None and self.method is not SyncMethod.CHECKPOINT:
+            raise ConfigError(f"synchronizer.checkpoint_dir applies to method: checkpoint only (method is "
+                              f"{self.method.value}); remove checkpoint_dir, or set method: checkpoint")
         if not _is_int(self.checkpoint_writers) or self.checkpoint_writers < 1:
             raise ConfigError(f"synchronizer.checkpoint_writers must be an integer >= 1 (trainer ranks writing "
                               f"shards), got {self.checkpoint_writers!r}")
         if self.checkpoint_writers > 1 and self.method is not SyncMethod.CHECKPOINT:
             raise ConfigError(f"synchronizer.checkpoint_writers={self.checkpoint_writers} applies to method: "
                               f"checkpoint only (method is {self.method.value}); set checkpoint_writers: 1")
-        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
-            self.checkpoint_dir = str(self.checkpoint_dir)
 
     @classmethod
     def from_any(cls, config: Any = None) -> "SynchronizerConfig":

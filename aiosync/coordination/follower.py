@@ -3,6 +3,7 @@ transport: :class:`CheckpointFollower`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 from .._strict import check_seconds
 from ..aio import run_sync
-from ..checkpoints import CheckpointDir, check_tensors_fit
+from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError
 from ..syncers.common.state_dicts import module_state_dict
 from .slots import PolicySlot
@@ -22,7 +23,8 @@ class CheckpointFollower:
 
     The trainer's :class:`~aiosync.Synchronizer` publishes every version as a safetensors file,
     atomically; this reads the newest one (outside the slot's exclusive section: rollouts go on
-    meanwhile), checks it fits the model (keys, shapes, dtype kinds), and swaps it into
+    meanwhile), verifies the digests of its tensors, checks it fits the model (keys, shapes,
+    dtype kinds), and swaps it into
     ``model`` through a :class:`PolicySlot` (cast to the model's dtypes; rollouts never see a
     half-applied version). For explorers on nodes that share a file system with the trainer
     but no network path a process group could use::
@@ -54,15 +56,17 @@ class CheckpointFollower:
 
     async def poll(self) -> int | None:
         """Apply the newest published version if it is newer than the one held; returns the
-        version held afterwards."""
-        newest = await run_sync(self.directory.newest_version)
-        if newest is None or (self.slot.version is not None and newest <= self.slot.version):
+        version held afterwards. A file that is refused (damaged: its digests do not match;
+        mislabelled; truncated) is never applied: the version held stays, the refusal is logged
+        and kept in :attr:`refused`, and the next good version is taken when it comes. A
+        version that does not fit the model raises :class:`~aiosync.errors.HandshakeError`."""
+        got = await run_sync(functools.partial(self.directory.read_newest, self.slot.version,
+                                               target=module_state_dict(self.slot.model)))
+        if got is None:
             return self.slot.version
-        version, tensors = await run_sync(self.directory.load)
+        version, tensors = got
         if self.slot.version is not None and version <= self.slot.version:
             return self.slot.version
-        check_tensors_fit(module_state_dict(self.slot.model), tensors,
-                          f"checkpoint {version} in {self.directory.path}")
 
         async def write(model: Any) -> int:
             await run_sync(_load_into, module_state_dict(model), tensors)
@@ -71,6 +75,11 @@ class CheckpointFollower:
         await self.slot.apply(write, timeout=self.timeout)
         self.loads += 1
         return self.slot.version
+
+    @property
+    def refused(self) -> list:
+        """The files refused so far (newest last): ``(file name, error)``."""
+        return self.directory.refused
 
     async def wait_for_version(self, version: int, *, timeout: float | None = None) -> int:
         """Poll until a version ≥ ``version`` is held; :class:`PeerTimeoutError` after ``timeout``.

@@ -17,12 +17,10 @@ A line that needs weights newer than a given publish (EXPLORER_DRIVEN: the train
 request at its next check) waits in ``borrow`` until the trainer publishes, until its deadline,
 or until the trainer stops; a stopped trainer answers at once (S5).
 
-Superseded copies (MEMORY) and cached files (CHECKPOINT) are released once no build reads them,
-in a worker thread and in bounded pieces (:mod:`aiosync.reclaim`): freeing gigabytes takes tens
-of milliseconds, which must not stall the event loop. A checkpoint is loaded into the buffers of
-the version it replaces when no build reads that one any more (no allocation, no free), else into
-new ones; its file's mapping is let go at once, while the file still exists (unmapping a file
-that was deleted meanwhile frees its page cache there and then, with the GIL held).
+Superseded copies (MEMORY) and cached files (CHECKPOINT, read into memory of their own, never
+mapped) are released once no build reads them, in a worker thread and in bounded pieces
+(:mod:`aiosync.reclaim`): freeing gigabytes takes tens of milliseconds, which must not stall the
+event loop.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ import anyio
 import torch
 
 from ..aio import finish_cuda_work, run_sync
-from ..checkpoints import CheckpointDir, check_tensors_fit
+from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
-from ..reclaim import held_only_here, release, release_off_loop
+from ..reclaim import release_off_loop
 from ..syncers.common.state_dicts import is_dtensor
 
 
@@ -222,7 +220,6 @@ class CheckpointSource(Source):
     writer_rank: int = 0
     complete_timeout: float = 60.0
     _cache: Published | None = None
-    _loading: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
     async def publish(self, live: Mapping[str, torch.Tensor], names: list[str], version: int) -> Published:
         self._check_version(version)
@@ -236,6 +233,11 @@ class CheckpointSource(Source):
         await self._replace(Published(version, {}, self.seq))  # tensors are loaded on demand
         self._emit("published", version)
         return self.latest
+
+    def stop(self) -> None:
+        """The trainer stopped: its run releases the directory's hold (its files stay readable)."""
+        super().stop()
+        self.directory.release()  # rewrites one small file
 
     async def _wait_complete(self, version: int) -> None:
         """Wait until the shards of every writer of ``version`` are in. The other writers are
@@ -257,44 +259,21 @@ class CheckpointSource(Source):
             pause = min(pause * 2, 0.2)
 
     async def newest(self) -> Published | None:
-        async with self._loading:  # one load per version, whoever asks
-            newest = await run_sync(self.directory.newest_version)
-            if newest is None:
-                return None
-            if self._cache is None or self._cache.version != newest:
-                old, self._cache = self._cache, None
-                # The old version's buffers take the new one when no build reads them any more.
-                spare = old.state if old is not None and old.borrowers == 0 else None
-                if spare is not None:
-                    old.state, old.retired = {}, True
-                version, live = await run_sync(_load_into, self.directory, self.live, spare)
-                seq = self.latest.seq if self.latest is not None and self.latest.version == version else self.seq
-                self._cache = Published(version, live, seq)
-                del live, spare
-                if old is not None and old.state:
-                    await self._retire(old)
-            return self._cache
-
-
-def _load_into(directory: CheckpointDir, live: Callable[[], Mapping[str, torch.Tensor]] | None,
-               spare: dict | None) -> tuple[int, dict[str, torch.Tensor]]:
-    """Load the newest checkpoint (a worker thread) as a state: the trainer's tensors for the keys
-    it does not hold, the file's values copied into ``spare``'s tensors where they fit (the
-    superseded version's own buffers, not the trainer's), else into new ones. The file's mapping
-    is released before this returns, while the file still exists."""
-    version, tensors = directory.load()
-    state = dict(live()) if live is not None else {}
-    check_tensors_fit(state, tensors, f"checkpoint {version} in {directory.path}")
-    spare = spare or {}
-    with torch.no_grad():
-        for key, t in tensors.items():
-            dst = spare.pop(key, None)
-            if (dst is None or dst is state.get(key) or dst.shape != t.shape or dst.dtype != t.dtype
-                    or dst.device != t.device or not dst.is_contiguous() or not held_only_here(dst)):
-                dst = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            state[key] = dst.copy_(t)
-    release([tensors, spare])  # the mapping (its file exists), and spare buffers that did not fit
-    return version, state
+        """The newest version that reads and verifies (:meth:`CheckpointDir.read_newest`): a
+        damaged or mislabelled file is refused (logged, kept in ``directory.refused``) and the
+        version before it is served, until the next publish."""
+        held = None if self._cache is None else self._cache.version
+        live = dict(self.live()) if self.live is not None else {}
+        got = await run_sync(functools.partial(self.directory.read_newest, held, target=live))
+        if got is not None:
+            version, tensors = got
+            live.update(tensors)
+            seq = self.latest.seq if self.latest is not None and self.latest.version == version else self.seq
+            old, self._cache = self._cache, Published(version, live, seq)
+            del live, tensors, got
+            if old is not None:
+                await self._retire(old)
+        return self._cache
 
 
 @dataclass(eq=False)

@@ -181,13 +181,16 @@ class Synchronizer:
 
     async def attach_trainer(self, model: torch.nn.Module | Mapping[str, torch.Tensor], *, version: int = 0,
                              param_names: Iterable[str] | None = None, writer_rank: int | None = None,
-                             shard_peers: Iterable[Transport] | None = None) -> TrainerHandle:
+                             shard_peers: Iterable[Transport] | None = None, run_id: str | None = None
+                             ) -> TrainerHandle:
         """Register the trainer's model (or state dict) and publish its weights as ``version``.
 
         Synced keys default to trainable parameters and persistent buffers of a module (W5), or
         every key of a mapping. The trainer moves STOPPED → RUNNING. With ``checkpoint_writers``
         > 1, this process writes shard ``writer_rank`` of every version (default: its
-        torch.distributed rank) and the other trainer ranks write theirs.
+        torch.distributed rank) and the other trainer ranks write theirs, all as run ``run_id``
+        (``CHECKPOINT``: the run that holds the directory; default a fresh one, required with
+        ``checkpoint_writers`` > 1: :func:`aiosync.checkpoints.shared_run_id`).
 
         ``shard_peers``: this is rank 0 of a sharded (FSDP2) trainer and these are transports to
         its other ranks, each running a :class:`~aiosync.coordination.shards.ShardPeer`: every
@@ -198,6 +201,14 @@ class Synchronizer:
         if self.trainer is not None:
             raise RuntimeError("a trainer is already attached")
         writers = self.config.checkpoint_writers
+        if run_id is not None or writers > 1:
+            if self.config.method is not SyncMethod.CHECKPOINT:
+                raise ConfigError(f"attach_trainer(run_id=...) applies to synchronizer.method: checkpoint only "
+                                  f"(method is {self.config.method.value})")
+            if run_id is None:
+                raise ConfigError(f"synchronizer.checkpoint_writers={writers}: pass attach_trainer(..., run_id=), the "
+                                  "run id every writer rank publishes with (aiosync.checkpoints.shared_run_id())")
+            self.hub.source.directory = CheckpointDir(self.hub.source.directory.path, run_id=run_id)
         if writers > 1:
             if writer_rank is None:
                 import torch.distributed as dist

@@ -9,10 +9,10 @@ take their keyword defaults from them, so ``{"type": "patch"}``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .._strict import check_seconds, from_mapping
+from .._strict import check_seconds, check_types, from_mapping
 from ..errors import ConfigError
 
 SYNCER_TYPES = ("patch", "bucket")
@@ -37,12 +37,11 @@ class CommOptions:
     nccl_min_ctas: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.use_ring_sync, bool):
-            raise ConfigError(f"use_ring_sync must be true or false, got {self.use_ring_sync!r}")
+        check_types(self, "weight_syncer")
         for name in ("nccl_max_ctas", "nccl_min_ctas"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{name} must be null or a positive integer, got {value!r}")
+            if value is not None and value < 1:
+                raise ConfigError(f"weight_syncer.{name} must be null or a positive integer, got {value!r}")
         if (
             self.nccl_max_ctas is not None
             and self.nccl_min_ctas is not None
@@ -69,6 +68,25 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a positive integer (bytes), got {value!r}")
 
 
+def _check_device(name: str, value: Any, *, allow_none: bool) -> None:
+    """A device that exists here: ``cpu``, or ``cuda``/``cuda:N`` where CUDA has that device."""
+    import torch
+
+    if value is None and allow_none:
+        return
+    try:
+        device = torch.device(value) if isinstance(value, str) else None
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{name} must be {'null, ' if allow_none else ''}cpu or cuda[:N], got {value!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise ConfigError(f"{name} is {value!r} but this machine has {count} CUDA device(s)"
+                              f"{' (torch.cuda.is_available() is False)' if not count else ''}; use cpu")
+
+
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         shown = ", ".join("null" if c is None else str(c) for c in choices)
@@ -84,13 +102,17 @@ class InitSyncConfig:
     bucket_size: int = 134217728
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"init_sync.enabled must be true or false, got {self.enabled!r}")
-        if self.prefixes is not None:
-            if isinstance(self.prefixes, str) or not all(isinstance(p, str) and p for p in self.prefixes):
-                raise ConfigError(f"init_sync.prefixes must be null or a list of non-empty strings, got {self.prefixes!r}")
+        if isinstance(self.prefixes, tuple):
             self.prefixes = list(self.prefixes)
+        if self.prefixes is not None and (not isinstance(self.prefixes, list)
+                                          or not all(isinstance(p, str) and p for p in self.prefixes)):
+            raise ConfigError(f"init_sync.prefixes must be null or a list of non-empty strings, got {self.prefixes!r}")
+        check_types(self, "weight_syncer.patch.init_sync")
         _check_positive_int("init_sync.bucket_size", self.bucket_size)
+        if self.prefixes is not None and not self.enabled:
+            raise ConfigError(f"init_sync.prefixes={self.prefixes} applies only when init_sync.enabled is true (a "
+                              "repair bootstraps the whole state dict whatever it says); remove prefixes, or set "
+                              "enabled: true")
 
 
 @dataclass
@@ -110,13 +132,9 @@ class PatchConfig:
     def __post_init__(self) -> None:
         if isinstance(self.init_sync, dict):
             self.init_sync = from_mapping(InitSyncConfig, self.init_sync, "weight_syncer.patch.init_sync")
-        if str(self.snapshot_device).split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"patch.snapshot_device must be cpu or cuda, got {self.snapshot_device!r}")
-        if self.transport_device is not None and str(self.transport_device).split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"patch.transport_device must be null, cpu or cuda, got {self.transport_device!r}")
-        for name in ("delta_encoding", "verify_checksums"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"patch.{name} must be true or false, got {getattr(self, name)!r}")
+        _check_device("patch.snapshot_device", self.snapshot_device, allow_none=False)
+        _check_device("patch.transport_device", self.transport_device, allow_none=True)
+        check_types(self, "weight_syncer.patch", skip=("init_sync", "recv_timeout"))
         _check_choice("patch.compression", self.compression, COMPRESSIONS)
         _check_choice("patch.encoding", self.encoding, PATCH_ENCODINGS)
         if self.compression.startswith("nvcomp") and str(self.transport_device or "cpu").split(":")[0] != "cuda":
@@ -124,8 +142,11 @@ class PatchConfig:
                 f"patch.compression={self.compression} runs on the GPU: set patch.transport_device: cuda "
                 "(or use compression: zstd on CPU)"
             )
-        if not isinstance(self.compression_level, int) or not -7 <= self.compression_level <= 22:
+        if not -7 <= self.compression_level <= 22:
             raise ConfigError(f"patch.compression_level must be an integer in [-7, 22], got {self.compression_level!r}")
+        if self.compression_level != 1 and self.compression != "zstd":
+            raise ConfigError(f"patch.compression_level={self.compression_level} applies to compression: zstd only "
+                              f"(compression is {self.compression}); remove compression_level")
         check_seconds("patch.recv_timeout", self.recv_timeout)  # also a peer's Welcome: never inf
 
 
@@ -144,11 +165,8 @@ class BucketConfig:
     def __post_init__(self) -> None:
         _check_positive_int("bucket.bucket_size", self.bucket_size)
         _check_choice("bucket.bucket_dtype", self.bucket_dtype, BUCKET_DTYPES)
-        if self.bucket_device is not None and str(self.bucket_device).split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"bucket.bucket_device must be null, cpu or cuda, got {self.bucket_device!r}")
-        for name in ("is_agent", "load_instant", "verify_checksums"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"bucket.{name} must be true or false, got {getattr(self, name)!r}")
+        _check_device("bucket.bucket_device", self.bucket_device, allow_none=True)
+        check_types(self, "weight_syncer.bucket", skip=("recv_timeout",))
         check_seconds("bucket.recv_timeout", self.recv_timeout)  # also a peer's Welcome: never inf
 
 
@@ -169,6 +187,13 @@ class WeightSyncerConfig:
                 f"unknown weight_syncer.type {self.type!r}; valid types are: {', '.join(SYNCER_TYPES)}"
             )
         CommOptions(self.use_ring_sync, self.nccl_max_ctas, self.nccl_min_ctas)  # validates
+        for sub, default in (("patch", PatchConfig), ("bucket", BucketConfig)):
+            node = getattr(self, sub)
+            if sub != self.type and node != default():
+                changed = ", ".join(f"{f.name}={getattr(node, f.name)!r}" for f in fields(node)
+                                    if getattr(node, f.name) != getattr(default(), f.name))
+                raise ConfigError(f"weight_syncer.{sub} ({changed}) applies to type: {sub} only (type is {self.type}); "
+                                  f"move it to weight_syncer.{self.type}, or set type: {sub}")
 
     @property
     def comm_options(self) -> CommOptions | None:
