@@ -50,6 +50,7 @@ _EXPORTS = {
     "WeightSyncGroup": "aiosync.transports",
     "CheckpointDir": "aiosync.checkpoints",
     "AiosyncError": "aiosync.errors", "ApplyError": "aiosync.errors", "ChecksumError": "aiosync.errors",
+    "CheckpointHeldError": "aiosync.errors", "CheckpointWriteError": "aiosync.errors",
     "ClosedResourceError": "aiosync.errors", "CodecUnavailableError": "aiosync.errors",
     "ConfigError": "aiosync.errors", "DrainError": "aiosync.errors", "DriftError": "aiosync.errors",
     "EndOfStream": "aiosync.errors", "HandshakeError": "aiosync.errors", "PatchChainError": "aiosync.errors",
