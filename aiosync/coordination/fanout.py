@@ -269,7 +269,8 @@ class FanOut:
     #: The version each member holds, as last reported (:meth:`applied`).
     _holds: dict = field(default_factory=dict)
     _next_id: int = 0
-    #: ``encoding: auto``: each member's link choice (kept across re-bootstraps).
+    #: ``encoding: auto``: each explorer's link choice, by name (kept across re-bootstraps and
+    #: reconnects of the same explorer).
     _choices: dict = field(default_factory=dict)
 
     def follows(self, member: Hashable) -> bool:
@@ -407,9 +408,10 @@ class FanOut:
         """``encoding: auto``: update ``member``'s link measurements and choice."""
         if lineage.costs is None:
             return None
-        choice = self._choices.get(member)
+        name = getattr(member, "name", str(member))
+        choice = self._choices.get(name)
         if choice is None:
-            choice = self._choices[member] = LinkChoice(getattr(member, "name", str(member)))
+            choice = self._choices[name] = LinkChoice(name)
         stats = getattr(member, "stats", None)
         if stats is not None:
             choice.observe(stats)
@@ -421,7 +423,8 @@ class FanOut:
         first: every sender can build it)."""
         if lineage.costs is None:
             return ()
-        chosen = {self._choices[m].encoding for m in lineage.members if m in self._choices} or {"flat"}
+        names = (getattr(m, "name", str(m)) for m in lineage.members)
+        chosen = {self._choices[n].encoding for n in names if n in self._choices} or {"flat"}
         if "ctx" in chosen and not lineage.sender.ctx_ready():
             lineage.sender.request_ctx()  # its kernels load in the background; flat meanwhile
         return tuple(e for e in ("flat", "ctx") if e in chosen)
