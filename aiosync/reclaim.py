@@ -15,6 +15,9 @@ So aiosync lets go of large buffers here, in bounded pieces:
 * :func:`release_later` (from synchronous code on the loop thread, e.g. a ``close()``): the
   container is handed to one reclaimer thread that releases it; nothing is done on the caller's
   thread.
+* :func:`drop_file_cache` (in a worker thread, before deleting a large file): its page cache is
+  dropped ``PIECE`` bytes at a time. Deleting a file frees all of its cached pages in one kernel
+  call — 800 MB of a superseded checkpoint delayed every other thread's wake-up by 30 ms.
 
 A container is a list, tuple, dict or dataclass of tensors, arrays and further containers; the
 caller hands over its last reference (``release(box)`` empties the list ``box``).
@@ -172,6 +175,27 @@ def _nbytes(item: Any) -> int:
         return int(item.nbytes)
     except (AttributeError, TypeError, RuntimeError):
         return 0
+
+
+def drop_file_cache(path: str | os.PathLike, piece: int = PIECE) -> None:
+    """Drop the (clean) page cache of the file at ``path`` in pieces of ``piece`` bytes, each a
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` call without the GIL; readers are unaffected (pages
+    come back from the disk). Call it before deleting a large file that was flushed to disk.
+    Does nothing where ``posix_fadvise`` does not exist, or the file cannot be opened."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        for at in range(0, size, piece):
+            os.posix_fadvise(fd, at, min(piece, size - at), os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 async def release_off_loop(box: list) -> None:
