@@ -11,10 +11,10 @@ updates), so ``ctx`` pays below the *break-even* bandwidth ``(bytes(flat) - byte
 (S(ctx) + R(ctx) - S(flat) - R(flat))`` and ``flat`` above it. Before a link has measured anything
 the estimates come from :data:`DEFAULT_COSTS` (per changed element, as ``aiosync bench`` measured
 them: ``docs/performance.md``); then from the lineage's builds (``bytes`` of each encoding it
-built; ``S`` of both, from a version built in both) and the link's own deliveries (``B``: bytes
-over the seconds from send to the explorer's answer, less its apply; ``R`` of both, once it was
-served in both). Only differences decide, so both encodings' seconds are always taken under the
-same conditions. A link switches only when its bandwidth is clearly on the other side of the
+built, ``S`` from builds of an encoding alone) and the link's own deliveries (``B``: bytes over
+the seconds from send to the explorer's answer, less its apply; ``R``: the explorer's apply
+seconds); ``ctx`` is estimated from ``flat`` (:data:`CTX_VS_FLAT`) until it is measured, and the
+first build and the first delivery in an encoding (its set-up) are not counted. A link switches only when its bandwidth is clearly on the other side of the
 break-even (:data:`HYSTERESIS`) and it has measured :data:`MIN_DELIVERIES` deliveries.
 
 :class:`~aiosync.coordination.fanout.FanOut` builds each version once per encoding its links chose
@@ -87,6 +87,7 @@ class LinkChoice:
     #: The encoding it was served last (what the next measurement is about).
     served: str | None = None
     _seen: tuple = (0, 0.0, 0.0, 0, 0)
+    _served_count: dict = field(default_factory=dict)
 
     def observe(self, stats: Any) -> None:
         """Take the deliveries finished since the last look from a delivery line's ``stats``
@@ -100,13 +101,19 @@ class LinkChoice:
         if transfer > 0 and nbytes > 0:
             self.bandwidth = _ewma(self.bandwidth, nbytes / transfer)
         if self.served is not None and changed > 0 and apply >= 0:
-            self.receiver_s[self.served] = _ewma(self.receiver_s.get(self.served), apply / changed)
+            self._served_count[self.served] = self._served_count.get(self.served, 0) + 1
+            if self._served_count[self.served] > 1:  # the first one pays set-up (kernels, pools) once
+                self.receiver_s[self.served] = _ewma(self.receiver_s.get(self.served), apply / changed)
 
     def costs(self, costs: dict[str, Cost]) -> dict[str, Cost]:
-        """The lineage's ``costs`` with this link's receiver seconds, once it measured both."""
-        if not all(e in self.receiver_s for e in ENCODINGS):
+        """The lineage's ``costs`` with this link's receiver seconds where it measured them (``ctx``
+        estimated from ``flat`` until it was served ``ctx``)."""
+        flat_r = self.receiver_s.get("flat")
+        if flat_r is None:
             return costs
-        return {e: Cost(c.bytes_per_changed, c.sender_s_per_changed, self.receiver_s[e]) for e, c in costs.items()}
+        ctx_r = self.receiver_s.get("ctx", flat_r * CTX_VS_FLAT.receiver_s_per_changed)
+        rs = {"flat": flat_r, "ctx": ctx_r}
+        return {e: Cost(c.bytes_per_changed, c.sender_s_per_changed, rs[e]) for e, c in costs.items()}
 
     def decide(self, costs: dict[str, Cost]) -> str:
         """The encoding for the next version (and remember it): ``ctx`` once the link's bandwidth
@@ -128,24 +135,48 @@ class LinkChoice:
                 "receiver_s_per_changed": dict(self.receiver_s)}
 
 
+#: Until ``ctx`` is measured, its cost relative to ``flat``'s (``aiosync bench``, 100 M elements:
+#: sender build + encode 2.35×, receiver apply 1.6×, bytes 0.72×).
+CTX_VS_FLAT = Cost(bytes_per_changed=0.72, sender_s_per_changed=2.35, receiver_s_per_changed=1.6)
+
+
+def _scaled(flat: Cost) -> Cost:
+    r = CTX_VS_FLAT
+    return Cost(flat.bytes_per_changed * r.bytes_per_changed, flat.sender_s_per_changed * r.sender_s_per_changed,
+                flat.receiver_s_per_changed * r.receiver_s_per_changed)
+
+
 @dataclass
 class LineageCosts:
-    """A lineage's running estimate of each encoding's :class:`Cost` (its builds measure the
-    sender's part and the bytes; links measure the receiver's part themselves)."""
+    """A lineage's running estimate of each encoding's :class:`Cost`: the bytes from every build of
+    it, the sender's seconds from builds of it alone (a build in both encodings runs an extra diff
+    pass, so it says nothing about either alone), the first build of each left out (set-up).
+    Until ``ctx`` is measured it is estimated from ``flat`` (:data:`CTX_VS_FLAT`)."""
 
-    costs: dict = field(default_factory=lambda: dict(DEFAULT_COSTS))
+    measured: dict = field(default_factory=dict)
+    _builds: dict = field(default_factory=dict)
+
+    @property
+    def costs(self) -> dict[str, Cost]:
+        flat = self.measured.get("flat", DEFAULT_COSTS["flat"])
+        ctx = self.measured.get("ctx")
+        if ctx is None:
+            ctx = _scaled(flat) if "flat" in self.measured else DEFAULT_COSTS["ctx"]
+        return {"flat": flat, "ctx": ctx}
 
     def observe(self, by_encoding: dict[str, Any]) -> None:
-        """Take a build's per-encoding statistics (``bytes``, ``changed``, ``build_s``,
-        ``encode_s``): the bytes of each encoding built; the sender's seconds only from a
-        version built in both (one diff, two codings: comparable)."""
-        both = all(e in by_encoding for e in ENCODINGS)
+        """Take a build's per-encoding statistics (``bytes``, ``changed``, ``build_s``, ``encode_s``)."""
+        alone = len(by_encoding) == 1
         for enc, st in by_encoding.items():
-            if enc not in self.costs or not st.changed:
+            if enc not in ENCODINGS or not st.changed:
                 continue
-            old = self.costs[enc]
+            self._builds[enc] = self._builds.get(enc, 0) + 1
+            if self._builds[enc] == 1:
+                continue  # the first build of an encoding pays its set-up (statistics, scratch) once
+            old = self.measured.get(enc) or self.costs[enc]
             sender = old.sender_s_per_changed
-            if both:
-                sender = _ewma(sender, ((st.build_s or 0.0) + (st.encode_s or 0.0)) / st.changed)
-            self.costs[enc] = Cost(_ewma(old.bytes_per_changed, st.bytes / st.changed), sender,
-                                   old.receiver_s_per_changed)
+            if alone:
+                sender = _ewma(self.measured[enc].sender_s_per_changed if enc in self.measured else None,
+                               ((st.build_s or 0.0) + (st.encode_s or 0.0)) / st.changed)
+            self.measured[enc] = Cost(_ewma(old.bytes_per_changed, st.bytes / st.changed), sender,
+                                      old.receiver_s_per_changed)
