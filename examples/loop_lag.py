@@ -18,7 +18,8 @@ Prints (and with ``--json`` writes)::
 ``first_attach_ms`` is the worst lag while the trainer and the explorer attach (the first
 sync included) in a fresh process, over the methods; each process loads aiosync's kernels before
 its event loop starts (``aiosync.warm_up()``, as docs/performance.md recommends; ``--no-warm-up``
-leaves them to the background loader). The ``*_cpu_adjusted`` figures take out the time the
+leaves them to the background loader) and then calls ``gc.freeze()`` (``--no-gc-freeze`` does
+not). The ``*_cpu_adjusted`` figures take out the time the
 loop's thread waited for a CPU (a busy machine). The goal (SPEC L1): every worst ≤ 20 ms,
 every p99 ≤ 5 ms, the first attach ≤ 50 ms::
 
@@ -28,6 +29,7 @@ every p99 ≤ 5 ms, the first attach ≤ 50 ms::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -193,6 +195,12 @@ def _method_process(method: str, rank: int, port: int, args: argparse.Namespace,
         # loading them holds the GIL for a few tenths of a second (numba's start-up, and the
         # garbage collections its imports set off), once per process.
         aiosync.warm_up((2, 4), ctx=False)
+    if not args.no_gc_freeze:
+        # Start-up done: its objects (torch's, numpy's, aiosync's modules) leave the garbage
+        # collector's generations, as docs/performance.md recommends — a full collection scans
+        # every tracked object with the GIL held (200-250 ms here), whichever thread set it off.
+        gc.collect()
+        gc.freeze()
     if method != "nccl":
         report = anyio.run(trainer_side, method, args, make_model(args.elements), explorer_model(args.elements))
     else:
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="memory,checkpoint,nccl")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="do not load the kernels before the event loop starts (they load in the background then)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="do not gc.freeze() the start-up's objects (full collections then scan them all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     methods = {m: run_method(m, args) for m in args.methods.split(",")}
