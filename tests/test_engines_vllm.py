@@ -11,6 +11,7 @@ transformers model holding the same weights. Skipped without vLLM or transformer
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -32,7 +33,7 @@ from aiosync.errors import ConfigError, VersionError  # noqa: E402
 from aiosync.syncers.bucket.format import BUCKET_KEY, VERSION_KEY  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.transports.simulated import simulated_pair  # noqa: E402
-from helpers import HANG_GUARD  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine  # noqa: E402
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
 BUCKET = {"type": "bucket", "bucket": {"bucket_size": 1 << 16}}
@@ -50,13 +51,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    threads = torch.get_num_threads()
-    engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-                      max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
-                      weight_transfer_config={"backend": "aiosync"})
-    yield engine
-    del engine
-    torch.set_num_threads(threads)  # vLLM lowers it for serving
+    with in_process_engine(lambda: vllm.LLM(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+            max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
+            weight_transfer_config={"backend": "aiosync"})) as engine:
+        yield engine
 
 
 @pytest.fixture
@@ -245,13 +244,15 @@ class HeldStep:
         self.held, self.go = threading.Event(), threading.Event()
         self._step = self.engine.step
         self.engine.step = self._gated                    # the instance attribute shadows the method
-        write = target._write_offline
+        paused = target._calls.paused
 
-        async def release_then_write(keys, label):
+        @contextlib.asynccontextmanager
+        async def release_then_pause():
             self.go.set()       # the held step finishes; this write is first in line for the engine
-            await write(keys, label)
+            async with paused():
+                yield
 
-        target._write_offline = release_then_write
+        target._calls.paused = release_then_pause
 
     def _gated(self):
         out = self._step()
@@ -330,22 +331,25 @@ async def test_a_lease_keeps_writes_out_for_its_whole_duration(llm, trainer_mode
     target.close()
 
 
-async def test_a_failed_engine_write_is_undone_and_the_old_weights_put_back(llm, trainer_model, monkeypatch):
+async def test_a_failed_engine_write_leaves_the_engine_on_its_old_weights(llm, trainer_model, monkeypatch):
+    """The engine refuses the second bucket of version 1: the update is never committed, the
+    engine keeps version 0 by itself (no restore traffic), and the next delivery repairs."""
     target = VLLMTarget(llm, bucket_size=1 << 15)
     opt = make_optimizer(trainer_model)
     async with Synchronizer({"style": "fixed"}, PATCH) as sync:
         trainer = await sync.attach_trainer(trainer_model)
         explorer = await sync.attach_explorer("vllm", target)
         held = copy.deepcopy(trainer_model)
-        calls = {"failed": 0, "restored": 0, "on": True}
+        calls = {"failed": 0, "resent": 0, "on": True}
         receive = AiosyncWeightTransferEngine.receive_weights
 
         def failing_receive(self, update_info):  # the worker fails on the second bucket of version 1
-            version, (index, _) = int(update_info.bucket[VERSION_KEY]), update_info.bucket[BUCKET_KEY].tolist()
-            if calls["on"] and version == 1 and index == 1:
-                calls["failed"] += 1
-                raise RuntimeError("injected: the engine refused a bucket")
-            calls["restored"] += version == 0
+            if update_info.bucket is not None:
+                version, (index, _) = int(update_info.bucket[VERSION_KEY]), update_info.bucket[BUCKET_KEY].tolist()
+                if calls["on"] and version == 1 and index == 1:
+                    calls["failed"] += 1
+                    raise RuntimeError("injected: the engine refused a bucket")
+                calls["resent"] += version == 0
             return receive(self, update_info)
 
         monkeypatch.setattr(AiosyncWeightTransferEngine, "receive_weights", failing_receive)
@@ -354,8 +358,9 @@ async def test_a_failed_engine_write_is_undone_and_the_old_weights_put_back(llm,
         assert await explorer.sync_weight() == 0
         assert "injected: the engine refused a bucket" in sync.explorers["vllm"].line.stats.last_error
         await assert_engine_holds(target, held, 0)        # host copy and engine: version 0, bit for bit
-        assert target.statistics().restores == calls["failed"] and not target.statistics().broken
-        assert calls["failed"] >= 1 and calls["restored"] >= 2  # the old weights went back through the backend
+        stats = target.statistics()
+        assert calls["failed"] >= 1 and stats.refused == stats.restores == calls["failed"] and not stats.broken
+        assert calls["resent"] == 0                       # nothing had to be put back into the engine
         calls["on"] = False
         await trainer.sync_weight(2)                      # the next delivery repairs
         assert await explorer.sync_weight() == 2

@@ -5,7 +5,10 @@
   ``await sync.attach_explorer(name, VLLMTarget(llm))``.
 * :mod:`aiosync.engines.vllm_backend` — the ``aiosync`` weight-transfer backend that runs in
   vLLM's workers (registered with vLLM as a plugin, selected by
-  ``weight_transfer_config={"backend": "aiosync"}``).
+  ``weight_transfer_config={"backend": "aiosync"}``): every update a transaction, loaded all or
+  nothing (:mod:`aiosync.engines.vllm_reload`), checked against the engine's checkpoint
+  (:mod:`aiosync.engines.layout`); :mod:`aiosync.engines.vllm_faults` is the same backend with
+  faults injected on purpose (``"aiosync-faults"``).
 
 An engine target is a :class:`~aiosync.syncers.base.CommitTarget`: the syncers write a host
 mapping of the weights in checkpoint names, and the target makes the engine hold what was

@@ -17,12 +17,19 @@ a :class:`~aiosync.syncers.base.CommitTarget`: when a write has changed the shad
 :meth:`VLLMTarget.commit_write` sends the changed layers, whole, through vLLM's own
 weight-update path to the ``aiosync`` backend in the engine's workers
 (:mod:`aiosync.engines.vllm_backend`), where the model's own weight loader maps them to its
-layout (fused q/k/v and gate/up, tensor-parallel shards). Generation is paused only for that
-transfer: ``pause_mode="keep"`` (the default) freezes the requests in flight and resumes them
-on the new weights, ``"wait"`` lets them finish first, ``"abort"`` (``AsyncLLM`` only) aborts
-them. The engine labels its weights with the aiosync version, and vLLM stamps every output
-with the versions that generated its tokens (``CompletionOutput.weight_versions``);
-:func:`output_versions` reads them as aiosync versions.
+layout (fused q/k/v and gate/up, tensor-parallel shards).
+
+**Each write is one transaction** (:meth:`VLLMTarget._send`): pause, open the update, send the
+buckets (the engine validates and stages them), commit (the engine loads them all or nothing),
+close, label, resume. Whatever fails — a refused bucket, a load that raises, a bucket that never
+comes or comes too late, a timeout — the engine has kept its previous weights and label by the
+time generation resumes, requests in flight go on on them, and the next write is accepted.
+
+Generation is paused only for the write: ``pause_mode="keep"`` (the default) freezes the
+requests in flight and resumes them on the new weights, ``"wait"`` lets them finish first,
+``"abort"`` (``AsyncLLM`` only) aborts them. The engine labels its weights with the aiosync
+version, and vLLM stamps every output with the versions that generated its tokens
+(``CompletionOutput.weight_versions``); :func:`output_versions` reads them as aiosync versions.
 
 Generation of an offline ``LLM`` goes through :meth:`VLLMTarget.generate`, which steps the
 engine in a thread of its own (the ``LLM`` is not thread-safe) so that writes land between two
@@ -32,11 +39,11 @@ steps. An ``AsyncLLM`` may also be used directly; its writes pause it through
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +52,17 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import run_sync
 from ..dtypes import dtype_name
 from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
-from .vllm_plugin import BACKEND
+from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
+from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
+from .vllm_plugin import BACKEND, BACKENDS
 
+log = logging.getLogger("aiosync.engines")
 PAUSE_MODES = ("keep", "wait", "abort")
+#: In an engine's error: it no longer knows its weights (see :mod:`aiosync.engines.vllm_backend`).
+_UNKNOWN = "the engine's weights are unknown"
 
 
 @dataclass
@@ -61,7 +72,10 @@ class EngineStats:
     commits: int = 0
     #: Commits that sent weights to the engine (an empty patch only relabels the version).
     writes: int = 0
+    #: Calls to put the old values back after a failed write (``commit_write(keys, None)``).
     restores: int = 0
+    #: Writes the engine refused or that were aborted; it kept its previous weights each time.
+    refused: int = 0
     tensors_sent: int = 0
     bytes_sent: int = 0
     #: How long generation was paused for a write: the last, the longest, in total.
@@ -81,6 +95,7 @@ class EngineStatistics:
     commits: int
     writes: int
     restores: int
+    refused: int
     tensors_sent: int
     bytes_sent: int
     last_pause_s: float
@@ -119,14 +134,12 @@ def output_versions(output: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _close_update(finish: Any) -> None:
-    """After a failed ``update_weights``: end the engine's update so that the layers that were
-    not reloaded get their weights back (vLLM's layerwise reload) and a new update can start.
-    A worker whose own ``update_weights`` raised has closed it already; that refusal is fine."""
-    try:
-        finish()
-    except Exception:
-        pass
+class _Kept(Exception):
+    """A write failed and the engine provably holds what it held before; ``error`` is for the user."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _engine_kind(engine: Any) -> str:
@@ -164,12 +177,19 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
     finds the backend through aiosync's plugin entry point). ``tensors``: the weights the
     engine was started with, in checkpoint names (default: read from the engine's local model
     directory; reading it is heavy for a large model: build the target off the event loop,
-    e.g. ``await aiosync.run_sync(VLLMTarget, llm)``). They are kept in the engine's dtype and
-    must be exactly the trainer's synced names. ``pause_mode``: what happens to requests in
-    flight while a write lands (see the module docstring). ``clear_cache``: reset the prefix
-    cache with each write (vLLM's default: cached prefixes were computed by the old weights).
-    ``bucket_size``: bytes per ``update_weights`` call. ``timeout``: bound on every engine call
-    and on a ``"wait"`` drain; an engine that does not answer in time leaves the target broken.
+    e.g. ``await aiosync.run_sync(VLLMTarget, llm)``). They are checked against the engine's
+    checkpoint layout here (names, shapes, dtypes: a mismatch is a :class:`ConfigError`
+    naming the tensor), kept in the engine's dtype, and must be the trainer's synced names.
+    An engine that ties its output embedding to its input embedding (``tie_word_embeddings``)
+    is detected: the target then also holds ``lm_head.weight`` (a copy of the input embedding,
+    as a HF trainer's state dict has it), checks that the trainer keeps the two equal, and
+    never sends it (``param_names`` without it works too). ``pause_mode``: what happens to
+    requests in flight while a write lands (see the module docstring). ``clear_cache``: reset
+    the prefix cache with each write (vLLM's default: cached prefixes were computed by the old
+    weights). ``bucket_size``: bytes per ``update_weights`` call. ``timeout``: bound on every
+    engine call and on a ``"wait"`` drain; a write whose call outlives it is aborted (the
+    engine keeps its previous weights); only an engine that does not even answer the abort,
+    or a commit that outlives twice the bound, leaves the target broken.
     """
 
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
@@ -178,7 +198,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         self.kind = _engine_kind(engine)
         vllm_config = engine.llm_engine.vllm_config if self.kind == "llm" else engine.vllm_config
         wt = vllm_config.weight_transfer_config
-        if wt is None or wt.backend != BACKEND:
+        if wt is None or wt.backend not in BACKENDS:
             raise ConfigError(f"VLLMTarget: start the engine with weight_transfer_config={{'backend': '{BACKEND}'}} "
                               f"(it has {None if wt is None else wt.backend!r}); aiosync registers that backend with "
                               "vLLM as a plugin when it is installed")
@@ -189,33 +209,65 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                               "there); with an offline LLM use 'keep' or 'wait'")
         if bucket_size <= 0 or timeout <= 0:
             raise ConfigError("VLLMTarget: bucket_size and timeout must be positive")
-        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        model_config = vllm_config.model_config
+        self.dtype: torch.dtype = model_config.dtype
         if tensors is None:
-            tensors = load_checkpoint(vllm_config.model_config.model, self.dtype)
-        self._shadow = {k: (v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.detach().cpu())
-                        .contiguous().clone() for k, v in tensors.items()}
-        from vllm.distributed.weight_transfer.base import layerwise_groups
-
-        groups = layerwise_groups(list(self._shadow))  # vLLM's own partition: one group per decoder layer
+            tensors = load_checkpoint(model_config.model, self.dtype)
+        shadow = {k: (v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.detach().cpu())
+                  .contiguous().clone() for k, v in tensors.items()}
+        text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        self._aliases = tied_aliases(shadow, bool(getattr(text_config, "tie_word_embeddings", False)))
+        for alias, source in self._aliases.items():
+            if alias not in shadow:
+                shadow[alias] = shadow[source].clone()
+            elif not torch.equal(shadow[alias], shadow[source]):
+                raise ConfigError(f"VLLMTarget: tensors[{alias!r}] differs from tensors[{source!r}], but the engine "
+                                  "ties them (tie_word_embeddings): give the weights the engine was started with")
+        self._shadow = shadow
+        self._engine_keys = [k for k in shadow if k not in self._aliases]
+        self._check_layout(model_config.model)
+        groups = _groups_of(self._engine_keys)  # vLLM's own partition: one group per decoder layer
         self._group_of = {k: i for i, g in enumerate(groups) for k in g}
         self._groups = groups
         self.pause_mode, self.clear_cache = pause_mode, clear_cache
-        self.bucket_size, self.timeout = bucket_size, timeout
+        self.bucket_size = bucket_size
         #: The version the engine holds (as labelled), ``None`` before the first write.
         self.version: int | None = None
         #: Why the target gave up (the engine's weights are unknown), or ``None``.
         self.error: BaseException | None = None
         self.stats = EngineStats()
-        self._dirty: set[str] = set(self._shadow)  # keys the engine may not hold yet: all, until the first write
+        self._dirty: set[str] = set(self._engine_keys)  # engine keys it may not hold as the shadow does: all, at first
+        self._undone: set[str] = set()  # keys of a refused write: equal again once the shadow is rolled back
+        self._synced_aliases: set[str] = set()
         self._initialized = False
-        self._ids = itertools.count()
-        # offline LLM: one thread drives the engine; the lock orders steps and writes on it
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, "aiosync-vllm") if self.kind == "llm" else None
-        self._lock = anyio.Lock()
-        self._done: dict[str, Any] = {}
-        self._inflight: set[str] = set()
-        self._draining = False
-        self._changed = anyio.Event()
+        self._nonce, self._update_ids = uuid.uuid4().hex[:12], itertools.count()  # update ids unique per engine
+        calls = OfflineCalls if self.kind == "llm" else AsyncCalls
+        self._calls = calls(engine, pause_mode, clear_cache, timeout)
+
+    @property
+    def timeout(self) -> float:
+        """The bound on every engine call (seconds); may be changed between writes."""
+        return self._calls.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ConfigError(f"VLLMTarget: timeout must be positive, got {seconds!r}")
+        self._calls.timeout = seconds
+
+    def _check_layout(self, model_dir: str) -> None:
+        layout = checkpoint_layout(model_dir)
+        if layout is None:
+            return  # no local checkpoint to compare with: the engine checks what it loads
+        given = {k: spec_of(self._shadow[k]) for k in self._engine_keys}
+        problem = layout_problem(layout, given, next(iter(self._aliases.values()), None))
+        if problem is None and (gap := incomplete_group(_groups_of(list(layout)), given)):
+            problem = (f"it holds {gap[1]!r} but not {gap[0]!r} of the same layer (the engine rebuilds a layer only "
+                       "from all of its checkpoint tensors)")
+        if problem is not None:
+            raise ConfigError(f"VLLMTarget: tensors= does not match the checkpoint the engine was started from "
+                              f"({model_dir}): {problem}. Give the weights the engine was started with, in its "
+                              "checkpoint names")
 
     # -- the mapping the syncers read and write ------------------------------------------
 
@@ -243,35 +295,15 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
 
     def close(self) -> None:
         """Stop the engine thread of an offline ``LLM`` (the engine itself stays the caller's)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the offline engine's thread, bounded by ``timeout``. The thread runs one
-        call at a time, so a caller that is cancelled while its call runs cannot let another
-        call overlap it."""
-        return await self._bounded(getattr(fn, "__name__", str(fn)),
-                                   asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs)))
-
-    async def _bounded(self, what: str, awaitable: Any) -> Any:
-        """Await an engine call; one that outlives ``timeout`` leaves the target broken (what the
-        engine holds is then unknown)."""
-        try:
-            with anyio.fail_after(self.timeout):
-                return await awaitable
-        except TimeoutError as exc:
-            self.error = PeerTimeoutError(f"the vLLM engine did not answer {what} within {self.timeout}s")
-            raise self.error from exc
+        self._calls.close()
 
     # -- writes (CommitTarget) -------------------------------------------------------------
 
     async def commit_write(self, keys: Sequence[str], version: int | None) -> None:
         """Make the engine hold the shadow's tensors ``keys`` (whole layers) and label them
-        ``version`` (``None``: keep the label). Called by the syncers inside a staged write."""
+        ``version``; ``None``: the syncer has put the shadow's old values back after a failed
+        write, make the engine hold them (usually nothing to do: a failed write leaves the
+        engine on its previous weights). Called by the syncers inside a staged write."""
         if self.error is not None:
             raise ApplyError(f"the vLLM engine target gave up after an earlier failure ({self.error}); the engine's "
                              "weights are unknown: make a new VLLMTarget (its first write sends every layer)")
@@ -279,22 +311,53 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         if unknown:
             raise ApplyError(f"VLLMTarget: asked to commit keys it does not hold: {unknown[:3]}")
         self.stats.commits += 1
-        restoring = version is None and self.version is not None
-        label = self.version if version is None else version
-        send = self._layers_of(set(keys) | self._dirty)
-        self._dirty |= set(send)  # until the engine confirmed them
+        written = set(keys)
+        restoring = version is None
+        if restoring:
+            self.stats.restores += 1
+            self._dirty -= self._undone  # the engine kept these; the shadow holds them again
+            self._undone = set()
+        engine_written = {self._aliases.get(k, k) for k in written}
+        send = self._layers_of(self._dirty if restoring else engine_written | self._dirty)
+        label = self.version if restoring else version
+        before = set(self._dirty)
         try:
+            self._follow_ties(written)
             if send:
-                await self._write(send, label)
-            elif label is not None:
+                await self._send(send, label)
+            elif label is not None and not restoring:
                 await self._relabel(label)
+        except _Kept as kept:
+            self.stats.refused += 1
+            if not restoring:
+                self._undone = engine_written - before
+                self._dirty |= engine_written
+            raise kept.error from kept.error.__cause__
         except BaseException as exc:
-            if restoring:  # putting the old weights back failed: nobody knows what the engine holds
+            self._dirty |= set(send)
+            if restoring and self.error is None:  # putting the old weights back failed: nobody knows what it holds
                 self.error = exc
             raise
         self._dirty.clear()
-        self.stats.restores += restoring
+        self._undone = set()
         self.version = label
+
+    def _follow_ties(self, written: set[str]) -> None:
+        """Tied embeddings: the engine holds one tensor for both names. A trainer that syncs the
+        output embedding must keep it equal to the input embedding; one that does not (its
+        ``param_names`` leave it out) gets it copied from the input embedding."""
+        for alias, source in self._aliases.items():
+            if alias in written:
+                self._synced_aliases.add(alias)
+            if alias in self._synced_aliases:
+                if (alias in written or source in written) and not torch.equal(self._shadow[alias],
+                                                                                self._shadow[source]):
+                    raise _Kept(ApplyError(f"the trainer's {alias!r} differs from its {source!r}, but the vLLM "
+                                           "engine ties them (tie_word_embeddings) and can hold only one: tie them "
+                                           "in the trainer, or start the engine from an untied checkpoint. Nothing "
+                                           "was written"))
+            elif source in written:
+                self._shadow[alias].copy_(self._shadow[source])
 
     def _layers_of(self, keys: set[str]) -> list[str]:
         """Every key of each vLLM layer group that holds one of ``keys``, in group order: a layer
@@ -303,7 +366,8 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         return [k for i in sorted(wanted) for k in self._groups[i]]
 
     def _init_info(self) -> dict:
-        return {"manifest": [[k, list(t.shape), dtype_name(t.dtype)] for k, t in self._shadow.items()]}
+        return {"manifest": [[k, list(self._shadow[k].shape), dtype_name(self._shadow[k].dtype)]
+                             for k in self._engine_keys]}
 
     def _buckets(self, keys: list[str], label: int | None) -> list[dict[str, torch.Tensor]]:
         """The aiosync buckets (version-stamped, the first with the manifest) that carry ``keys``."""
@@ -323,90 +387,126 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         s.max_pause_s = max(s.max_pause_s, pause_s)
         s.total_pause_s += pause_s
 
-    async def _write(self, keys: list[str], label: int | None) -> None:
-        if self.kind == "llm":
-            await self._write_offline(keys, label)
-        else:
-            await self._write_async(keys, label)
+    # -- the update transaction --------------------------------------------------------------
+
+    def _broken(self, why: str) -> ApplyError:
+        self.error = ApplyError(f"{why}; {_UNKNOWN}: make a new VLLMTarget (its first write sends every layer)")
+        return self.error
+
+    def _refused(self, what: str, exc: BaseException) -> BaseException:
+        """An engine call that answered with an error: the engine refused and kept its weights
+        (:class:`_Kept`), unless it says it no longer knows them or it died."""
+        if _UNKNOWN in str(exc) or self._calls.dead():
+            return self._broken(f"the vLLM engine failed {what}: {exc}")
+        return _Kept(ApplyError(f"the vLLM engine refused {what}: {exc}; the next sync sends it again"))
 
     async def _relabel(self, label: int) -> None:
-        if self.kind == "llm":
-            async with self._lock:
-                await self._call(self.engine.llm_engine.set_weight_version, str(label))
-        else:  # the weights did not change: tokens of either label came from the same weights
-            await self._bounded("update_weight_version", self.engine.update_weight_version(str(label)))
+        try:
+            await self._calls.answer("the relabelling", self._calls.relabel(str(label)))
+        except Late as late:
+            late.drop()
+            raise _Kept(PeerTimeoutError(f"{late}; the engine keeps version {self.version}")) from None
+        except Exception as exc:
+            raise self._refused(f"the relabelling to version {label}", exc) from exc
 
-    async def _write_offline(self, keys: list[str], label: int | None) -> None:
-        if self.pause_mode == "wait":
-            self._draining = True  # no new requests start; those in flight finish on the old weights
+    async def _send(self, keys: list[str], label: int | None) -> None:
+        """One transaction: the engine ends up holding ``keys`` labelled ``label``, or — raising
+        :class:`_Kept` — exactly what it held before, and generation resumes only then. Shielded:
+        every step is bounded, and a half-done transaction is never left behind."""
+        calls = self._calls
+        with anyio.CancelScope(shield=True):
+            payloads = await calls.payloads(self._buckets(keys, label))  # before the pause
+            t0 = time.perf_counter()
             try:
-                with anyio.fail_after(self.timeout):
-                    while self._inflight:
-                        await self._changed.wait()
-            except BaseException:
-                self._draining = False
-                self._notify()
+                async with calls.paused():
+                    await self._init()
+                    await self._transaction(payloads, label)
+            except ResumeFailed as exc:
+                raise self._broken(f"{exc}: generation may stay paused") from exc
+            except _Kept:
                 raise
-        try:
-            async with self._lock:  # from here no engine step runs: requests in flight are frozen
-                t0 = time.perf_counter()
-                await self._call(self._push_offline, keys, label)
-                self._count_sent(keys, time.perf_counter() - t0)
-        finally:
-            if self._draining:
-                self._draining = False
-                self._notify()
+            except ApplyError as exc:
+                raise (self._broken(str(exc)) if calls.dead() else exc) from exc
+            except Late as late:  # the pause did not answer
+                late.drop()
+                raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
+            except TimeoutError as exc:  # a "wait" drain: the requests in flight did not finish
+                raise _Kept(PeerTimeoutError(f"requests in flight did not finish within {self.timeout}s for the "
+                                             "write (pause_mode='wait'); nothing was written")) from exc
+            self._count_sent(keys, time.perf_counter() - t0)
 
-    def _push_offline(self, keys: list[str], label: int | None) -> None:
-        """On the engine's thread, with no step running."""
-        llm = self.engine
-        if not self._initialized:
-            llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": self._init_info()})
-            self._initialized = True
-        llm.collective_rpc("start_weight_update")
+    async def _init(self) -> None:
+        """The engine's first call from this target: the manifest (checked there against the
+        engine's own checkpoint before it replaces the previous one)."""
+        if self._initialized:
+            return
+        calls = self._calls
         try:
-            for bucket in self._buckets(keys, label):  # in-process: the tensors travel by reference
-                llm.collective_rpc("update_weights", kwargs={"update_info": {"bucket": bucket}})
-        except BaseException:
-            _close_update(lambda: llm.collective_rpc("finish_weight_update"))
+            await calls.answer("init_weight_transfer_engine", calls.init(self._init_info()))
+        except Late as late:
+            late.drop()
+            raise _Kept(PeerTimeoutError(f"{late}; nothing was written")) from None
+        except Exception as exc:
+            raise self._refused("the manifest of this target", exc) from exc
+        self._initialized = True
+
+    async def _transaction(self, payloads: list[dict], label: int | None) -> None:
+        calls = self._calls
+        update_id = f"{self._nonce}.{next(self._update_ids)}"
+        what = f"the update to version {label}"
+        try:
+            await self._start()
+            for i, payload in enumerate(payloads):
+                await calls.answer(f"update_weights (bucket {i} of {len(payloads)} of {what})",
+                                   calls.update({**payload, "update_id": update_id}))
+        except Late as late:
+            await self._abort_behind(late)
+            raise _Kept(PeerTimeoutError(f"{late}; {what} was aborted, nothing was written: the engine keeps "
+                                         f"version {self.version}. Raise VLLMTarget(timeout=...) if the engine is "
+                                         "this slow")) from None
+        except Exception as exc:
+            raise self._refused(what, exc) from exc
+        try:
+            await calls.answer(f"the commit of {what}", calls.update({"update_id": update_id, "commit": True}),
+                               patience=2)
+        except Late as late:
+            late.drop()
+            raise self._broken(f"{late}: it may have committed or not") from None
+        except Exception as exc:
+            raise self._refused(what, exc) from exc
+        try:
+            await calls.answer("finish_weight_update", calls.finish(None if label is None else str(label), True))
+        except (Late, Exception) as exc:
+            if isinstance(exc, Late):
+                exc.drop()
+            raise self._broken(f"{what} was committed, but closing it failed: {exc}") from exc
+
+    async def _start(self) -> None:
+        calls = self._calls
+        try:
+            await calls.answer("start_weight_update", calls.start())
+        except Late:
             raise
-        llm.collective_rpc("finish_weight_update")
-        if label is not None:
-            llm.llm_engine.set_weight_version(str(label))
-        if self.clear_cache:  # cached prefixes were computed by the old weights
-            llm.reset_prefix_cache(reset_running_requests=True)
-
-    async def _write_async(self, keys: list[str], label: int | None) -> None:
-        from safetensors.torch import save
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-        engine = self.engine
-        payloads = await run_sync(lambda: [save(b) for b in self._buckets(keys, label)])  # before the pause
-        if not self._initialized:
-            await self._bounded("init_weight_transfer_engine", engine.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info=self._init_info())))
-            self._initialized = True
-        t0 = time.perf_counter()
-        await self._bounded("pause_generation", engine.pause_generation(mode=self.pause_mode,
-                                                                        clear_cache=self.clear_cache))
-        try:
-            await self._bounded("start_weight_update", engine.start_weight_update())
-            try:
-                for data in payloads:  # another process: the bucket as safetensors bytes
-                    await self._bounded("update_weights", engine.update_weights(
-                        WeightTransferUpdateRequest(update_info={"bucket_bytes": data})))
-            except BaseException:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
-                    try:
-                        await engine.finish_weight_update()
-                    except Exception:  # the worker closed it already (a failed update_weights does)
-                        pass
+        except Exception as exc:
+            if "already active" not in str(exc):
                 raise
-            await self._bounded("finish_weight_update", engine.finish_weight_update(
-                weight_version=None if label is None else str(label)))
+            # an update left open (a client that died, a finish that failed): close it, it was never committed
+            log.warning("aiosync: closing an update the vLLM engine had left open")
+            await calls.answer("finish_weight_update", calls.finish(None, False))
+            await calls.answer("start_weight_update", calls.start())
+
+    async def _abort_behind(self, late: Late) -> None:
+        """The engine has not answered ``late`` yet: close the update behind it (the engine
+        answers in order; an update that is not committed is discarded)."""
+        try:
+            await self._calls.answer("finish_weight_update (the abort)", self._calls.finish(None, False))
+        except Late as again:
+            again.drop()
+            raise self._broken(f"{late}, and {again}") from None
+        except Exception:  # the late call failed: the engine closed the update itself
+            pass
         finally:
-            await self._bounded("resume_generation", engine.resume_generation())
-        self._count_sent(keys, time.perf_counter() - t0)
+            late.drop()  # answered by now, or given up on
 
     # -- generation ----------------------------------------------------------------------
 
@@ -419,83 +519,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             raise ApplyError(f"the vLLM engine target gave up after an earlier failure: {self.error}")
         prompts = list(prompts)
         self.stats.requests += len(prompts)
-        if self.kind == "llm":
-            return await self._generate_offline(prompts, sampling_params)
-        return await self._generate_async(prompts, sampling_params)
-
-    def _per_prompt(self, prompts: list[Any], params: Any) -> list[Any]:
-        """One ``SamplingParams`` per prompt (cloned), asking for the final output only."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        out = []
-        for sp in per_prompt:
-            sp = (sp or SamplingParams()).clone()
-            sp.output_kind = RequestOutputKind.FINAL_ONLY
-            out.append(sp)
-        return out
-
-    async def _generate_offline(self, prompts: list[Any], params: Any) -> list[Any]:
-        per_prompt = self._per_prompt(prompts, params)
-        ids = [f"aiosync-{next(self._ids)}" for _ in prompts]
-        with anyio.fail_after(self.timeout):
-            while self._draining:  # a "wait" write lets the requests in flight finish first
-                await self._changed.wait()
-        async with self._lock:
-            await self._call(self._add_requests, ids, prompts, per_prompt)
-        self._inflight.update(ids)
-        try:
-            while not all(i in self._done for i in ids):
-                async with self._lock:  # one step at a time; a write waiting for the lock goes next
-                    if all(i in self._done for i in ids):
-                        break  # another caller's step finished ours
-                    outputs = await self._call(self.engine.llm_engine.step)
-                for out in outputs:
-                    if out.finished and out.request_id in self._inflight:
-                        self._done[out.request_id] = out
-                        self._inflight.discard(out.request_id)
-                if not self._inflight:
-                    self._notify()
-            return [self._done.pop(i) for i in ids]
-        except BaseException:
-            pending = [i for i in ids if i not in self._done]
-            with anyio.CancelScope(shield=True):
-                if pending and self.error is None:
-                    async with self._lock:
-                        await self._call(self.engine.llm_engine.abort_request, pending)
-            for i in ids:
-                self._done.pop(i, None)
-                self._inflight.discard(i)
-            self._notify()
-            raise
-
-    def _add_requests(self, ids: list[str], prompts: list[Any], params: list[Any]) -> None:
-        engine = self.engine.llm_engine
-        added = []
-        try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, sp)
-                added.append(rid)
-        except BaseException:
-            if added:
-                engine.abort_request(added)
-            raise
-
-    async def _generate_async(self, prompts: list[Any], params: Any) -> list[Any]:
-        per_prompt = self._per_prompt(prompts, params)
-        results: list[Any] = [None] * len(prompts)
-
-        async def one(i: int) -> None:
-            async for out in self.engine.generate(prompts[i], per_prompt[i], request_id=f"aiosync-{next(self._ids)}"):
-                results[i] = out
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        return results
+        return await self._calls.generate(prompts, sampling_params)
 
     # -- read-back -----------------------------------------------------------------------
 
@@ -510,7 +534,14 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                                       "run in another process: compare its outputs instead")
         from .vllm_backend import read_parameters
 
-        layout = {k: tuple(t.shape) for k, t in self._shadow.items()}
-        async with self._lock:
-            per_worker = await self._call(self.engine.collective_rpc, read_parameters, args=(layout,))
+        layout = {k: tuple(self._shadow[k].shape) for k in self._engine_keys}
+        async with self._calls.lock:
+            per_worker = await self._calls.call(self.engine.collective_rpc, read_parameters, args=(layout,))
         return per_worker[0]
+
+
+def _groups_of(names: list[str]) -> list[list[str]]:
+    """vLLM's partition of checkpoint names into layer groups (one per decoder layer)."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    return layerwise_groups(names)

@@ -1,33 +1,41 @@
 """The ``aiosync`` weight-transfer backend of vLLM: the part that runs in each vLLM worker.
 
 An engine started with ``weight_transfer_config={"backend": "aiosync"}`` receives aiosync's
-weights through vLLM's own update path (``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``), driven by
-:class:`aiosync.engines.vllm.VLLMTarget` in the explorer's process:
+weights through vLLM's own update path, driven by :class:`aiosync.engines.vllm.VLLMTarget` in
+the explorer's process (or by any client of vLLM's weight-transfer API). **Every update is a
+transaction**: it is written whole, or not at all, and a failure of any kind leaves the engine
+computing with its previous weights, ready for the next update.
 
 * ``init_weight_transfer_engine(init_info={"manifest": [[name, shape, dtype], ...]})`` — the
-  checkpoint layout of the synced tensors, against which every bucket is validated;
-* ``start_weight_update()`` — vLLM's layerwise reload starts: a layer is rebuilt from its
-  checkpoint tensors once all of them arrived, and its processed weights are copied into the
-  engine's own storage. This is what makes writes work where the engine re-packs its linear
-  weights after loading (the CPU build: ``layer.weight`` is empty there, a plain
-  ``load_weights`` fails);
-* ``update_weights(update_info={"bucket": {...}})`` (in-process engines: the tensors by
-  reference) or ``{"bucket_bytes": b"..."}`` (an engine in another process: the bucket as
-  safetensors bytes) — one **aiosync bucket** (the bucket format of bucket mode and of the
-  patch bootstrap: version, index and count, the manifest in the first one) of whole tensors
-  in checkpoint names. :class:`~aiosync.syncers.bucket.format.BucketReader` validates it
-  (order, manifest, shapes, dtypes) before the model's own ``load_weights`` — which fuses
-  q/k/v and gate/up and takes this rank's tensor-parallel shard — sees anything;
-* ``finish_weight_update()`` — every announced bucket must have arrived; the layerwise reload
-  is finalized either way (layers that received nothing keep their weights).
+  tensors the client will send, in checkpoint names. Each entry is checked (a malformed one is
+  a :class:`~aiosync.errors.PayloadError` naming it), and the whole manifest against the
+  engine's own checkpoint layout (names, shapes, dtypes, whole layers; see
+  :mod:`aiosync.engines.layout`), before it replaces the previous one.
+* ``start_weight_update()`` — opens an update. Nothing in the model changes.
+* ``update_weights(update_info={"bucket": {...}, "update_id": id})`` (in-process engines: the
+  tensors by reference) or ``{"bucket_bytes": b"...", "update_id": id}`` (another process: the
+  bucket as safetensors bytes) — one **aiosync bucket** (version, index and count, the manifest
+  in the first; see :class:`~aiosync.syncers.bucket.format.BucketReader`), validated whole and
+  *staged*. Nothing in the model changes.
+* ``update_weights(update_info={"commit": True, "update_id": id})`` — the commit: every
+  announced bucket must have arrived, and every layer the update touches must be whole (vLLM
+  rebuilds a fused layer only from all of its checkpoint tensors). Then the staged tensors are
+  loaded through vLLM's layerwise reload, all or nothing
+  (:func:`aiosync.engines.vllm_reload.load_layers`): the model's own weight loader fuses q/k/v
+  and gate/up and takes this rank's tensor-parallel shard, and a load that raises half way
+  leaves every layer as it was. The commit returns only when the new weights are in place.
+* ``finish_weight_update()`` — closes the update; one that was not committed (a bucket never
+  came, the client gave up) is discarded. Never raises: vLLM's worker keeps an update open
+  after a finish that raised and refuses every later one.
 
-Why buckets of whole tensors and not aiosync's patches: a patch is coded against the values
-the receiver holds (XOR of old and new bits, a drift hash of the old values), and a vLLM
-worker on CPU cannot read its linear weights back once they are re-packed; vLLM's layerwise
-reload also rebuilds a layer only from *all* of its checkpoint tensors. So the explorer's
-process decodes patches into a host copy of the weights (:class:`~aiosync.engines.vllm.VLLMTarget`)
-and sends the changed layers, whole, through this backend.
+Any ``update_weights`` that raises has changed nothing (vLLM's worker then closes the update
+itself); its message says so. The commit is where another kind of staged payload would be
+applied (in-place patches in the engine's own parameters, SPEC E3, with a journal of the old
+values at the changed positions for the rollback): the protocol, and the client's transaction
+(:meth:`VLLMTarget._send <aiosync.engines.vllm.VLLMTarget>`), stay as they are. A bucket of an update that was already closed (one that arrived
+after its client gave up on it) is dropped. Only if putting a layer back after a failed load
+fails too does the backend give up: every later update is refused, saying that the engine's
+weights are unknown (:data:`UNKNOWN`).
 
 :func:`aiosync.engines.vllm_plugin.register` (this package's ``vllm.general_plugins`` entry
 point, which vLLM calls in every process it starts) makes the backend known by this module's
@@ -36,35 +44,94 @@ path: it is imported only where an engine selects it.
 
 from __future__ import annotations
 
+import logging
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+                                                   WeightTransferUpdateInfo, layerwise_groups)
 
 from ..dtypes import dtype_from_name
-from ..errors import PayloadError
-from ..syncers.bucket.format import BucketReader
+from ..errors import ApplyError, PayloadError
+from ..syncers.bucket.format import META_PREFIX, BucketReader
+from .layout import (TIED_OUTPUT, TensorSpec, checkpoint_layout, incomplete_group, layout_problem, spec_of,
+                     tied_aliases)
+from .vllm_reload import ReloadRestoreError, load_layers
+
+log = logging.getLogger("aiosync.engines")
+
+#: In an error from this backend: the engine's weights are no longer known (restart the engine).
+UNKNOWN = "the engine's weights are unknown"
+#: In every other error from an update: nothing was written.
+KEPT = "nothing was written: the engine keeps its previous weights"
 
 
 @dataclass
 class AiosyncInitInfo(WeightTransferInitInfo):
     """``[[name, shape, dtype name], ...]`` of every synced tensor, in checkpoint names."""
 
-    manifest: list = field(default_factory=list)
+    manifest: Any = field(default_factory=list)
 
 
 @dataclass
 class AiosyncUpdateInfo(WeightTransferUpdateInfo):
-    """One aiosync bucket: the tensors themselves (in-process) or their safetensors bytes."""
+    """One aiosync bucket (the tensors in-process, or their safetensors bytes), or the commit
+    of the update ``update_id``."""
 
     bucket: dict | None = None
     bucket_bytes: bytes | None = None
+    update_id: str | None = None
+    commit: bool = False
+
+
+def parse_manifest(manifest: Any) -> dict[str, torch.Tensor]:
+    """``{name: meta tensor}`` from an init manifest; :class:`PayloadError` naming the first
+    malformed entry."""
+    example = "e.g. ['model.norm.weight', [64], 'float32']"
+    if not isinstance(manifest, (list, tuple)):
+        raise PayloadError(f"aiosync backend: the init manifest must be a list of [name, shape, dtype] entries "
+                           f"({example}), got {type(manifest).__name__}")
+    layout: dict[str, torch.Tensor] = {}
+    for i, entry in enumerate(manifest):
+        where = f"aiosync backend: init manifest entry {i} ({entry!r:.80})"
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise PayloadError(f"{where} must be [name, shape, dtype], {example}")
+        name, shape, dtype = entry
+        if not isinstance(name, str) or not name or name.startswith(META_PREFIX):
+            raise PayloadError(f"{where}: the name must be a non-empty string not starting with {META_PREFIX!r}")
+        if name in layout:
+            raise PayloadError(f"{where}: {name!r} is listed twice")
+        if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
+            raise PayloadError(f"{where}: the shape must be a list of non-negative ints")
+        dt = dtype_from_name(dtype)
+        if dt is None:
+            raise PayloadError(f"{where}: unknown dtype {dtype!r} (a torch dtype name such as 'bfloat16')")
+        layout[name] = torch.empty(tuple(shape), dtype=dt, device="meta")  # shapes only, no memory
+    if not layout:
+        raise PayloadError("aiosync backend: the init manifest names no tensor")
+    return layout
+
+
+@dataclass
+class _Update:
+    """One open update: its buckets, validated and staged until the commit."""
+
+    reader: BucketReader
+    update_id: str | None = None
+    staged: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    committed: bool = False
+
+    def progress(self) -> str:
+        count = "?" if self.reader.count is None else self.reader.count
+        return f"{self.reader.index} of {count} buckets"
 
 
 class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncUpdateInfo]):
-    """Loads aiosync buckets into the worker's model through vLLM's layerwise reload."""
+    """Loads aiosync buckets into the worker's model as one all-or-nothing update (see the
+    module docstring for the protocol)."""
 
     init_info_cls = AiosyncInitInfo
     update_info_cls = AiosyncUpdateInfo
@@ -72,57 +139,145 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self._layout: dict[str, torch.Tensor] | None = None
-        self._reader: BucketReader | None = None
-        #: The version of the last complete update.
+        self._groups: list[list[str]] = []
+        self._update: _Update | None = None
+        self._closed: deque[str] = deque(maxlen=64)  # ids of the last updates closed (late buckets are dropped)
+        self._checkpoint: dict[str, TensorSpec] | None | bool = False  # False: not read yet
+        #: The version of the last committed update.
         self.version: int | None = None
+        #: Why this backend gave up (a layer could not be put back), or ``None``.
+        self.unknown: str | None = None
+
+    # -- the engine's own layout -------------------------------------------------------
+
+    def _checkpoint_layout(self) -> dict[str, TensorSpec] | None:
+        if self._checkpoint is False:
+            self._checkpoint = checkpoint_layout(self.model_config.model)
+            if self._checkpoint is None:
+                log.info("aiosync backend: %s has no local *.safetensors; manifests are checked when loaded",
+                         self.model_config.model)
+        return self._checkpoint
+
+    def _tied_to(self, names: list[str]) -> str | None:
+        config = getattr(self.model_config, "hf_text_config", None) or self.model_config.hf_config
+        return tied_aliases(names, bool(getattr(config, "tie_word_embeddings", False))).get(TIED_OUTPUT)
+
+    # -- vLLM's weight-transfer API ----------------------------------------------------
 
     def init_transfer_engine(self, init_info: AiosyncInitInfo) -> None:
-        layout = {}
-        for entry in init_info.manifest:
-            name, shape, dtype = entry
-            dt = dtype_from_name(dtype)
-            if dt is None:
-                raise PayloadError(f"aiosync backend: unknown dtype {dtype!r} for {name!r} in the init manifest")
-            layout[name] = torch.empty(tuple(shape), dtype=dt, device="meta")  # shapes only, no memory
-        if not layout:
-            raise PayloadError("aiosync backend: the init manifest names no tensor")
-        self._layout = layout
+        layout = parse_manifest(init_info.manifest)
+        checkpoint = self._checkpoint_layout()
+        if checkpoint is not None:
+            given = {k: spec_of(t) for k, t in layout.items()}
+            problem = layout_problem(checkpoint, given, self._tied_to(list(checkpoint)))
+            if problem is None and (gap := incomplete_group(layerwise_groups(list(checkpoint)), layout)):
+                problem = (f"it lists {gap[1]!r} but not {gap[0]!r} of the same layer: the engine rebuilds a layer "
+                           "only from all of its checkpoint tensors")
+            if problem is not None:
+                raise PayloadError(f"aiosync backend: the init manifest does not match the engine's checkpoint: "
+                                   f"{problem}. The previous manifest stays")
+        if self._update is not None:  # staged against the previous manifest: never committed now
+            log.warning("aiosync backend: a new manifest discards the open update (%s)", self._update.progress())
+            self._close(self._update)
+        self._layout, self._groups = layout, layerwise_groups(list(layout))
 
     def start_weight_update(self) -> None:
+        if self.unknown is not None:
+            raise ApplyError(f"aiosync backend: {UNKNOWN} since an earlier update ({self.unknown}); restart the engine")
         if self._layout is None:
-            raise RuntimeError("aiosync backend: init_weight_transfer_engine must come before start_weight_update")
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self._reader = BucketReader(self._layout)
-        initialize_layerwise_reload(self.model)
+            raise PayloadError("aiosync backend: init_weight_transfer_engine must come before start_weight_update")
+        if self._update is not None:  # left open by a client that never finished it: nothing of it was loaded
+            log.warning("aiosync backend: discarding an update left open (%s)", self._update.progress())
+        self._update = _Update(BucketReader(self._layout))
 
     def receive_weights(self, update_info: AiosyncUpdateInfo) -> None:
-        if self._reader is None:
-            raise RuntimeError("aiosync backend: update_weights outside start_weight_update / finish_weight_update")
-        payload = update_info.bucket
-        if payload is None:
-            if update_info.bucket_bytes is None:
-                raise PayloadError("aiosync backend: an update carries neither `bucket` nor `bucket_bytes`")
-            from safetensors.torch import load
-
-            payload = load(update_info.bucket_bytes)
-        tensors = self._reader.read(payload)  # validated whole before the model sees any of it
-        self.model.load_weights(list(tensors.items()))
+        update = self._update
+        if update is None:
+            raise PayloadError(f"aiosync backend: update_weights outside an open update; {KEPT}")
+        if update_info.update_id is not None and update_info.update_id in self._closed:
+            log.warning("aiosync backend: dropped a bucket of update %s, which was closed before it arrived",
+                        update_info.update_id)
+            return
+        if update.update_id is None:
+            update.update_id = update_info.update_id
+        try:
+            if update_info.update_id != update.update_id:
+                raise PayloadError(f"aiosync backend: a bucket of update {update_info.update_id!r} arrived during "
+                                   f"update {update.update_id!r} (two clients writing at once?)")
+            if update_info.commit:
+                self._commit(update)
+            else:
+                payload = self._payload(update_info)
+                if payload is not None:
+                    update.staged.append(update.reader.read(payload))  # validated whole; loads nothing
+        except BaseException as exc:
+            self._close(update)  # vLLM's worker closes the update when update_weights raises
+            if isinstance(exc, ReloadRestoreError):
+                self.unknown = str(exc)
+                raise ApplyError(f"aiosync backend: {exc}; {UNKNOWN}: restart the engine") from exc
+            if not isinstance(exc, Exception) or KEPT in str(exc):
+                raise
+            raise PayloadError(f"aiosync backend: update {update.update_id} refused after {update.progress()} "
+                               f"({type(exc).__name__}: {exc}); {KEPT} ({self._held()})") from exc
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        reader, self._reader = self._reader, None
-        finalize_layerwise_reload(self.model, self.model_config)  # always: layers left unloaded get theirs back
-        if reader is None or not reader.done:
-            got = 0 if reader is None else reader.index
-            want = "?" if reader is None or reader.count is None else reader.count
-            raise PayloadError(f"aiosync backend: the update ended after {got} of {want} buckets; "
-                               "the layers of the missing ones kept their weights")
-        self.version = reader.version
+        update = self._update
+        if update is not None:
+            self._close(update)
+            if not update.committed:
+                log.warning("aiosync backend: update %s ended uncommitted after %s; discarded, the engine keeps %s",
+                            update.update_id, update.progress(), self._held())
 
     def shutdown(self) -> None:
-        self._reader = None
+        self._update = None
+
+    # -- the update ----------------------------------------------------------------------
+
+    def _held(self) -> str:
+        return "the weights it was started with" if self.version is None else f"version {self.version}"
+
+    def _close(self, update: _Update) -> None:
+        if update.update_id is not None:
+            self._closed.append(update.update_id)
+        update.staged.clear()
+        if self._update is update:
+            self._update = None
+
+    def _payload(self, update_info: AiosyncUpdateInfo) -> dict | None:
+        """The bucket an update carries (``None``: nothing to stage)."""
+        if update_info.bucket is not None:
+            return update_info.bucket
+        if update_info.bucket_bytes is None:
+            raise PayloadError("an update carries neither `bucket` nor `bucket_bytes`")
+        from safetensors.torch import load
+
+        return load(update_info.bucket_bytes)
+
+    def _weights(self, update: _Update) -> Iterator[tuple[str, torch.Tensor]]:
+        """The staged tensors, bucket by bucket, in the order they were sent."""
+        for tensors in update.staged:
+            yield from tensors.items()
+
+    def _commit(self, update: _Update) -> None:
+        reader = update.reader
+        if not reader.done:
+            raise PayloadError(f"aiosync backend: update {update.update_id} was committed after {update.progress()}"
+                               f" (bucket {reader.index} never arrived); {KEPT} ({self._held()})")
+        gap = incomplete_group(self._groups, (n for tensors in update.staged for n in tensors))
+        if gap is not None:
+            raise PayloadError(f"aiosync backend: update {update.update_id} holds {gap[1]!r} but not {gap[0]!r} of "
+                               f"the same layer: the engine rebuilds a layer only from all of its checkpoint tensors; "
+                               f"{KEPT} ({self._held()})")
+        try:
+            load_layers(self.model, self.model_config, self._weights(update))
+        except ReloadRestoreError:
+            raise
+        except Exception as exc:
+            raise ApplyError(f"aiosync backend: the engine's weight loader raised {type(exc).__name__}: {exc} "
+                               f"(update {update.update_id}, version {reader.version}); every layer was put back: "
+                               f"{KEPT} ({self._held()})") from exc
+        update.committed = True
+        self.version = reader.version
 
 
 def read_parameters(worker: Any, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:

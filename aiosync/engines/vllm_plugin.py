@@ -10,18 +10,22 @@ from __future__ import annotations
 
 #: The name engines select: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "aiosync"
+#: Every backend this plugin registers: name → (module, class). ``aiosync-faults`` is the same
+#: backend with faults injected on purpose (:mod:`aiosync.engines.vllm_faults`).
+BACKENDS = {BACKEND: ("aiosync.engines.vllm_backend", "AiosyncWeightTransferEngine"),
+            "aiosync-faults": ("aiosync.engines.vllm_faults", "FaultyWeightTransferEngine")}
 
 
 def register() -> None:
-    """Register the ``aiosync`` weight-transfer backend with vLLM. Safe to call more than once."""
+    """Register aiosync's weight-transfer backends with vLLM. Safe to call more than once."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     _shield_llvmlite()
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "aiosync.engines.vllm_backend",
-                                                    "AiosyncWeightTransferEngine")
-    except ValueError:  # already registered: the plugin ran in this process before
-        pass
+    for name, (module, cls) in BACKENDS.items():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:  # already registered: the plugin ran in this process before
+            pass
 
 
 def _shield_llvmlite() -> None:
