@@ -56,7 +56,8 @@ _EXPORTS = {
     "EndOfStream": "aiosync.errors", "ExplorerLostError": "aiosync.errors", "HandshakeError": "aiosync.errors",
     "PatchChainError": "aiosync.errors",
     "PayloadError": "aiosync.errors", "PeerTimeoutError": "aiosync.errors",
-    "StateTransitionError": "aiosync.errors", "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
+    "StateMismatchError": "aiosync.errors", "StateTransitionError": "aiosync.errors",
+    "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
     "WouldBlock": "aiosync.errors",
 }
 

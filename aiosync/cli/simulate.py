@@ -21,6 +21,15 @@ Scenarios:
   are on. Every rollout still checks its weights bit for bit against the version it was
   stamped with; the faults stop with the training, the synchronizer drains, and every explorer
   must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
+* ``verify`` — whole-state verification, methods × styles, late joiners, one bit flipped behind
+  aiosync's back per run: :mod:`aiosync.cli.simulate_verify`.
+* ``links`` — ``encoding: auto`` with explorers behind a 50 Mbit/s and a 1 Gbit/s link side by
+  side (:mod:`aiosync.cli.simulate_links`, a run of its own: each link picks its encoding).
+* ``chaos`` — explorers that go silent past ``liveness_timeout``, call in late, drop in the
+  middle of a request and are attached again (``max_ahead`` 1, FIXED interval 2):
+  :mod:`aiosync.cli.simulate_chaos`.
+* ``cancel`` — random cancellations of every public await, each made again at once (attach
+  cancels included): :mod:`aiosync.cli.simulate_cancel`.
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -112,6 +122,11 @@ SCENARIOS = {
     "cancel": Scenario("cancel", steps=400, step_time=0.01, explore_time=0.002, latency=0.002, bandwidth=1e9,
                        jitter=0.001, style="fixed", sync_timeout=5.0, delivery_timeout=5.0),
 }
+
+
+#: Scenarios that run a simulation of their own: name -> module with ``simulate(explorers, *, steps,
+#: seed, loop, **overrides) -> report`` and ``summary(report) -> lines`` (imported when chosen).
+MODULES = {"links": "aiosync.cli.simulate_links"}
 
 
 def is_delivery(msg: Any) -> bool:
@@ -340,8 +355,15 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None = None, seed: int = 0,
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
+    if scenario == "verify":  # its own runs: methods x styles (aiosync.cli.simulate_verify)
+        from .simulate_verify import simulate_verify
+
+        return simulate_verify(steps, seed, loop)
+    if scenario in MODULES:
+        return importlib.import_module(MODULES[scenario]).simulate(explorers, steps=steps, seed=seed, loop=loop,
+                                                                   **overrides)
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
+        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join([*SCENARIOS, 'verify', *MODULES])}")
     base = SCENARIOS[scenario]
     sc = Scenario(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if steps is not None:
@@ -373,7 +395,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify", *MODULES]))
     p.add_argument("--explorers", type=integer(1, 64), default=2)
     p.add_argument("--steps", type=integer(1), default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -401,16 +423,26 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
-                          method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
-                          max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
+        if args.scenario == "verify":  # aiosync.cli.simulate_verify
+            from . import simulate_verify
+
+            report = simulate_verify.from_args(args)
+        else:
+            report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
+                              method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
+                              latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
+                              max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if args.scenario == "verify":
+        return simulate_verify.print_report(report)
+    if args.scenario in MODULES:
+        print("\n".join(importlib.import_module(MODULES[args.scenario]).summary(report)))
+        return 0
     if "wrong_leases" in report:  # cancel
         for k in ("scenario", "method", "cancellations", "retries", "attach_cancels", "wrong_leases", "leases",
                   "failed_after_cancel", "longest_stale_s", "exit_s", "steps", "final_bit_exact"):

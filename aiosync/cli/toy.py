@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import torch
 
+
 class ToyPolicy:
     """Weights that are a pure function of the version.
 
@@ -57,7 +58,6 @@ class ToyPolicy:
                        "differs": [k for k, v in expected.items()
                                    if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
                 for name, ex in explorers.items()}
-
 
 
 async def warm_up_syncer(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:

@@ -35,6 +35,7 @@ from .protocol import UNSERVED, Attached, Close, Control, Heartbeat, Hello, Leav
 from .slots import PolicySlot
 from .sources import HISTORY
 from .states import RunningStatus, StatusCell
+from .verify import held_dtypes
 
 log = logging.getLogger("aiosync.sync")
 
@@ -303,7 +304,7 @@ class ExplorerEnd:
     async def _hello(self) -> None:
         """Say Hello; a send that fails ends the join with its error."""
         try:
-            await self.mux.send(Hello(self.name, self.slot.version))
+            await self.mux.send(Hello(self.name, self.slot.version, dtypes=held_dtypes(self.slot.model)))
         except Exception as exc:
             if not self.mux.peer_closed.is_set():  # else the peer's Close came first: it is the answer
                 self._hello_error = exc

@@ -33,6 +33,7 @@ from .protocol import (PROTOCOL, Attached, Close, Heartbeat, Hello, Leave, Notic
                        SyncRequest, Welcome)
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod
+from .verify import StateCheck
 
 log = logging.getLogger("aiosync.sync")
 
@@ -180,6 +181,9 @@ class ExplorerSession:
         # A patch syncer without init_sync trusts the explorer to hold the trainer's weights
         # already (the seed's assumption); only an explorer that declares the version gets that trust.
         line.bootstrap_first = hub.syncers.bootstrap_unless_declared and hello.version != trainer.version
+        # Whole-state verification (a sharded trainer's state is not digested on one rank)
+        line.state_check = StateCheck.for_explorer(cfg.verify_state if hub.shard_peers is None else None,
+                                                   hub.syncers.config, trainer.names, hello.dtypes)
         self.line = line
         latest = hub.source.latest
         await self.mux.send_quietly(Welcome(cfg.to_dict(), hub.syncers.to_dict(), trainer.version,
@@ -198,6 +202,9 @@ class ExplorerSession:
             seq = line.request()
         tg.start_soon(self._watch_join, line)
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
+        if not self.closed and line.state_check is not None and line.state_check.mismatched and line.request_seq > seq:
+            seq = line.request_seq  # its state did not verify: the repair that asked for at once
+            await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         if self.closed:
             return False  # ended meanwhile (the synchronizer closes, or the join was abandoned)
         if line.served_seq < seq or line.applied_version is None or line.needs_reinit:  # nothing delivered

@@ -17,9 +17,10 @@ A line that needs weights newer than a given publish (EXPLORER_DRIVEN: the train
 request at its next check) waits in ``borrow`` until the trainer publishes, until its deadline,
 or until the trainer stops; a stopped trainer answers at once (S5).
 
-Superseded copies (MEMORY) and cached files (CHECKPOINT) are freed in a worker thread once no
-build reads them: freeing gigabytes of tensors takes tens of milliseconds, which must not stall
-the event loop.
+Superseded copies (MEMORY) and cached files (CHECKPOINT, read into memory of their own, never
+mapped) are released once no build reads them, in a worker thread and in bounded pieces
+(:mod:`aiosync.reclaim`): freeing gigabytes takes tens of milliseconds, which must not stall the
+event loop.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch
 from ..aio import bind_cuda, finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
-from ..syncers.common.state_dicts import is_dtensor
+from ..reclaim import release_off_loop
+from ..syncers.common.state_dicts import copy_shared, is_dtensor
 
 #: Published versions a source remembers (for ``max_ahead``, counted in versions that exist).
 HISTORY = 1024
@@ -65,12 +67,10 @@ class Published:
 
 
 async def free_off_loop(box: list) -> None:
-    """Empty ``box`` in a worker thread, so that what only it references (large tensors) is freed
-    there, not on the event loop (shielded: a cancelled caller still hands it over). The caller
-    keeps no other reference: it hands over the box, not its contents."""
-    if box:
-        with anyio.CancelScope(shield=True):
-            await run_sync(box.clear)
+    """Release what only ``box`` references (large tensors) in a worker thread, in bounded pieces
+    (:func:`aiosync.reclaim.release_off_loop`; shielded: a cancelled caller still hands it over).
+    The caller keeps no other reference: it hands over the box, not its contents."""
+    await release_off_loop(box)
 
 
 async def close_off_loop(closable: Any, bound: float = 30.0) -> None:
@@ -213,11 +213,13 @@ class Source:
 
 def _copy_synced(live: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """Copies of the synced tensors, made on the trainer's stream (carried here by ``run_sync``)
-    and complete when this returns: builds on any stream then read the published values."""
-    synced = set(names)
-    with torch.no_grad():
-        out = {k: (t.detach().clone() if k in synced else t) for k, t in live.items()}
-    finish_cuda_work(out[k] for k in synced if k in out)
+    and complete when this returns: builds on any stream then read the published values.
+    Tensors that share memory (tied weights) share it in the copy too (one copy of them, and
+    the handshake sees the trainer's tying)."""
+    synced = [k for k in live if k in set(names)]
+    out = dict(live)
+    out.update(copy_shared(live, synced))
+    finish_cuda_work(out[k] for k in synced)
     return out
 
 
@@ -261,7 +263,10 @@ class CheckpointSource(Source):
         self._check_version(version)
         t0 = time.perf_counter()
         writer = None if self.writers == 1 else (self.writer_rank, self.writers)
-        await run_sync(functools.partial(self.directory.publish, {k: live[k] for k in names}, version, writer=writer))
+        # A synced key the trainer no longer has is not written: the delivery then says so (a
+        # HandshakeError naming it, as with the other methods), the trainer goes on.
+        state = {k: live[k] for k in names if k in live}
+        await run_sync(functools.partial(self.directory.publish, state, version, writer=writer))
         if writer is not None:
             await self._wait_complete(version)
         self.publish_s = time.perf_counter() - t0
@@ -303,7 +308,8 @@ class CheckpointSource(Source):
         got = await run_sync(functools.partial(self.directory.read_newest, held, target=live))
         if got is not None:
             version, tensors = got
-            live.update(tensors)
+            # a file holds tied tensors once per name: tie them again as the trainer's are
+            live.update(await run_sync(functools.partial(copy_shared, tensors, list(tensors), like=live, clone=False)))
             seq = self.latest.seq if self.latest is not None and self.latest.version == version else self.seq
             old, self._cache = self._cache, Published(version, live, seq)
             del live, tensors, got

@@ -22,11 +22,11 @@ from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, Pat
 from ...messages import RecvFn, SendFn, payload_nbytes, unshare
 from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
-    iter_named_tensor_buckets, seal_bucket)
+    encode_shares, iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
-from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
-from ..kernels.warmup import warm_up_kernels
-from ..common.state_dicts import module_state_dict, select_sync_names
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
+from ..kernels.warmup import request_for
+from ..common.state_dicts import module_state_dict, select_sync_names, shared_memory
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
 
@@ -104,6 +104,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         wire = dict(zip(names, self._wire_names(names)))
         buckets = list(iter_named_tensor_buckets(((k, state_dict[k]) for k in names), self.config.bucket_size, self._dtype))
         manifest = bucket_manifest(buckets or [[]], wire, self._dtype)
+        shares = encode_shares([[wire[a], wire[b], *rest] for a, b, *rest in shared_memory(state_dict, names)])
         checksum = self.config.verify_checksums
         timing = {"build_s": 0.0, "send_s": 0.0, "sent": 0}
 
@@ -112,7 +113,8 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
             if not self._is_sender:  # other FSDP ranks only take part in the gathers
                 return None
             return seal_bucket(tensors, index=i, count=len(buckets), version=version,
-                               manifest=manifest if i == 0 else None, checksum=checksum)
+                               manifest=manifest if i == 0 else None, checksum=checksum,
+                               shares=shares if i == 0 else None)
 
         async def produce(tx) -> None:
             async with tx:
@@ -135,7 +137,8 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
                     timing["sent"] += payload_nbytes(payload)
                     del payload
         if not buckets and self._is_sender:
-            await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum))
+            await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum,
+                                   shares=shares))
         self._last_version = version
         self._statistics = SyncStatistics(version=version, bytes=timing["sent"],
                                           elements=sum(state_dict[k].numel() for k in names),
@@ -166,7 +169,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         t0 = time.perf_counter()
         target = module_state_dict(model)
         generation = self._generation
-        await run_sync(warm_up_kernels, target.values())  # compiled (or loaded) off the event loop
+        request_for(target.values())  # loaded in the background; the torch paths serve until then (L2)
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
         plan, held, nbytes, peak = FullStateWrite(), {}, 0, 0
         while not reader.done:
@@ -206,13 +209,15 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
             changed, journal = await run_sync(self._write_sync, target, plan, rollback)
             await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
             undo = 0 if journal is None else journal.nbytes
+            held = plan.nbytes
             self.version = version
             self._generation += 1
+            await written(journal, plan)
         write_s = time.perf_counter() - t0
         nbytes, count, stage_s, peak = stats
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, buckets=count,
                                           stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s,
-                                          peak_bytes=max(peak, plan.nbytes + undo))
+                                          peak_bytes=max(peak, held + undo))
         return version
 
     def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite,

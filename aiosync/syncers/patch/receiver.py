@@ -36,6 +36,7 @@ from ..common.payloads import (CompressedWeightPatch, EmptyWeightPatch, Receiver
 from .shard_layout import shard_metadata, shard_views, tiling_problem
 from ..common.bits import np_bits, as_bits
 from ..common.staging import Journal
+from ..common.state_dicts import shared_memory
 
 _MASK64 = (1 << 64) - 1
 
@@ -138,6 +139,8 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
         if isinstance(payload, CompressedWeightPatch):
             payload = decompress_patch(payload, state.layouts)
         deferred = None
+        if payload.encoding == "ctx":
+            _ctx_kernels(state.layouts)
         if payload.encoding != "ctx":
             decoded = decode_patch(payload, state.layouts)
         elif defer_ctx:  # its positions depend on values a staged bootstrap has not written yet
@@ -166,6 +169,21 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
     except Exception as exc:  # garbage that slipped past the checks: still the library's error
         raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
     return PreparedPatch(version, decoded, keys, checksums, old_hashes, nbytes, deferred, n_deferred)
+
+
+#: Seconds a ``ctx`` patch waits, at most, for this process's ``ctx`` kernels (a first compile).
+CTX_KERNELS_WAIT = 600.0
+
+
+def _ctx_kernels(layouts: dict[int, TensorLayout]) -> None:
+    """Wait (a worker thread: staging) until the ``ctx`` kernels are loaded: decoding a ``ctx``
+    patch has no torch path. They were asked for when the syncer pair was set up."""
+    from ..kernels.warmup import wait_ready
+
+    widths = sorted({lay.elem_size for lay in layouts.values()})
+    if not wait_ready(widths, ctx=True, timeout=CTX_KERNELS_WAIT):
+        raise PayloadError(f"a ctx patch arrived, but this process's ctx kernels were not ready within "
+                           f"{CTX_KERNELS_WAIT:.0f}s (see `aiosync warm-up`); refused, nothing was written")
 
 
 def _decode_ctx(payload: WeightPatch, state: ReceiverState, target: Mapping[str, torch.Tensor]) -> list[DecodedTensor]:
@@ -243,6 +261,13 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
     for d, key in zip(prepared.decoded, prepared.keys):
         t = check_target(target, key, layouts[d.ordinal])
         jobs.append(_Job(key, d, t, _fast(d, t), layouts[d.ordinal]))
+    # Tensors that share memory (a buffer viewing rows of another tensor): the differences of
+    # both are decoded against the old values, all gathered before anything is written (the
+    # torch path), then written one after the other — both write the same new values where they
+    # overlap. In place, the second would decode against what the first wrote.
+    shared = {int(i) for a, b, *_ in shared_memory({str(i): j.t for i, j in enumerate(jobs)}) for i in (a, b)}
+    for i in shared:
+        jobs[i].fast = False
     hashes = prepared.old_hashes
     for i, job in enumerate(jobs):  # torch path: gather old bits and check them before any write
         if not job.fast:
@@ -251,7 +276,7 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
                 _check_drift(job, drift_hash(job.d.positions, job.old), hashes[i])
     try:
         with torch.no_grad():
-            if after_each is not None or len(jobs) < 2:
+            if after_each is not None or len(jobs) < 2 or shared:
                 for i, job in enumerate(jobs):
                     _write_one(job)
                     if after_each is not None:
