@@ -17,6 +17,7 @@ from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.protocol import (Ack, Attached, Close, Credit, Heartbeat, Hello, Leave, Notice, Packet, Part,
                                            Refused, Served, Stopped, SyncRequest, Welcome)
 from aiosync.errors import EndOfStream, ExplorerLostError, TransportError
+from aiosync.transports.base import Transport
 from aiosync.transports.inproc import inproc_pair
 from helpers import HANG_GUARD, PATCH, Gate, GatedTransport, holds, rollout_model, train_to, trainer_state
 
@@ -249,20 +250,74 @@ async def test_an_explorer_on_a_wire_whose_synchronizer_closed_is_told_so_at_onc
                 pass
 
 
+class HeartbeatCounter(Transport):
+    """The synchronizer's end towards an explorer: counts the Heartbeats that arrive and sets
+    ``reached`` at the ``n``-th counted one (counting starts at :meth:`start`)."""
+
+    def __init__(self, inner: Transport, n: int) -> None:
+        self.inner, self.n, self.counted, self.counting = inner, n, 0, False
+        self.reached = anyio.Event()
+
+    def start(self) -> None:
+        self.counting = True
+
+    async def send(self, payload) -> None:
+        await self.inner.send(payload)
+
+    async def recv(self):
+        msg = await self.inner.recv()
+        if self.counting and isinstance(msg, Heartbeat):
+            self.counted += 1
+            if self.counted >= self.n:
+                self.reached.set()
+        return msg
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 async def test_an_explorer_waiting_in_a_call_is_alive():
     """A call in progress is a sign of life: a FIXED explorer under NCCL that waits at its sync
     point for the trainer's next window, longer than liveness_timeout, is not declared lost
-    (before: the chaos scenario lost every explorer this way)."""
+    (before: the chaos scenario lost every explorer this way).
+
+    Heartbeats go out at most every liveness_timeout / 4: seven counted after the call began
+    (at most one of them from before it) span at least five intervals of the call, longer than
+    the bound. Without the fix at most two go out after the call began and the session is lost
+    instead; the test waits for whichever comes first."""
     state = trainer_state()
-    cfg = dict(method="nccl", style="fixed", liveness_timeout=0.2, sync_timeout=HANG_GUARD,
+    counters: list[HeartbeatCounter] = []
+
+    def factory(name: str):
+        a, b = inproc_pair(timeout=HANG_GUARD)
+        counters.append(HeartbeatCounter(a, 7))
+        return counters[-1], b
+
+    cfg = dict(method="nccl", style="fixed", liveness_timeout=0.5, sync_timeout=HANG_GUARD,
                delivery_timeout=HANG_GUARD)
     with anyio.fail_after(HANG_GUARD):
-        async with Synchronizer(cfg, PATCH) as sync:
+        async with Synchronizer(cfg, PATCH, transport_factory=factory) as sync:
             trainer = await sync.attach_trainer(state)
             ex = await sync.attach_explorer("e0", rollout_model())
+            counter, done = counters[-1], anyio.Event()
+
+            async def until_lost() -> None:
+                await wait_closed(sync, "e0")
+                done.set()
+
+            async def until_counted() -> None:
+                await counter.reached.wait()
+                done.set()
+
             async with anyio.create_task_group() as tg:
+                counter.start()
                 tg.start_soon(ex.sync_weight)  # waits for the next window
-                await anyio.sleep(1.0)  # five liveness bounds pass while it waits
+                async with anyio.create_task_group() as watch:
+                    watch.start_soon(until_lost)
+                    watch.start_soon(until_counted)
+                    await done.wait()
+                    watch.cancel_scope.cancel()
+                assert not sync.explorers["e0"].lost, sync.explorers["e0"].error
                 train_to(state, 1)
                 await trainer.step_done()
             assert not sync.explorers["e0"].lost and ex.version == 1 and holds(ex.slot.model, 1)
