@@ -281,8 +281,7 @@ class DeliveryLine:
                 self.in_flight = req
                 self.notify()
                 try:
-                    async with self._serving:  # never beside the drain's check of this line
-                        self.last_outcome = await self._serve(req)
+                    self.last_outcome = await self._serve_alone(req)
                 except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
                     self._fail(exc)
                 finally:
@@ -297,6 +296,20 @@ class DeliveryLine:
             if self.fanout is not None:
                 with anyio.CancelScope(shield=True):
                     await self.fanout.reap()
+
+    async def _serve_alone(self, req: Request) -> str:
+        """:meth:`_serve` under the line's lock (never beside the drain's check of this line),
+        taken without a yield when it is free: with NCCL the request must reach the source's
+        waiting lines in the same step that set ``in_flight``, or a handshake in between counts
+        the line neither as waiting nor as coming, and the explorer misses that window."""
+        try:
+            self._serving.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._serving.acquire()
+        try:
+            return await self._serve(req)
+        finally:
+            self._serving.release()
 
     def _fail(self, exc: BaseException) -> None:
         self.needs_reinit = True
