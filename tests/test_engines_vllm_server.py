@@ -14,96 +14,26 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 import pytest_asyncio
-import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from aiosync.coordination import Synchronizer  # noqa: E402
-from aiosync.engines.vllm_server import VLLMServer, first_choice  # noqa: E402
+from aiosync.engines.vllm_server import VLLMServer  # noqa: E402
 from aiosync.errors import ApplyError  # noqa: E402
-from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
-from helpers import HANG_GUARD  # noqa: E402
-from test_engines_vllm import BUCKET, LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps, make_optimizer  # noqa: E402
+from aiosync.runners.grpo import greedy  # noqa: E402
+from helpers import HANG_GUARD, load_example  # noqa: E402
+from test_engines_vllm import (BUCKET, LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps,  # noqa: E402
+                               make_optimizer, model_dir, trainer_model)  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-REPO = Path(__file__).resolve().parents[1]
-#: Bound on a server's start-up (seconds; 30-80 s on a busy 2-core CPU).
-START_TIMEOUT = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``vllm serve`` subprocess with aiosync's backend and middleware; stopped by its PID."""
-
-    def __init__(self, model_dir: Path, key_file: Path, log: Path) -> None:
-        self.model_dir, self.key_file, self.log = model_dir, key_file, log
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--dtype", "float32", "--gpu-memory-utilization", "0.1", "--skip-tokenizer-init",
-                "--enforce-eager", "--max-model-len", "64", "--max-num-seqs", "16", "--seed", "0",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--weight-transfer-config", '{"backend": "aiosync"}',
-                "--middleware", "aiosync.engines.vllm_server_app.AiosyncApp"]
-
-    async def start(self) -> None:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "AIOSYNC_SERVER_KEY_FILE": str(self.key_file),
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine core runs in its own process
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        with anyio.fail_after(START_TIMEOUT):
-            async with httpx.AsyncClient() as client:
-                while True:
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log}:\n"
-                                           + self.log.read_text()[-3000:])
-                    try:
-                        if (await client.get(self.url + "/aiosync/hello", timeout=5)).status_code == 200:
-                            return
-                    except httpx.HTTPError:
-                        pass
-                    await anyio.sleep(1.0)  # a subprocess start: nothing to wait on but its port
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the server's own session: its engine core and workers
-            proc.wait(10)
-        self.proc = None
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_llama(path, ModelShape(), seed=0)
-    return path
+example = load_example("vllm_server_sync")
 
 
 @pytest.fixture(scope="module")
@@ -114,34 +44,19 @@ def key_file(tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(model_dir, key_file, tmp_path_factory):
-    server = Server(model_dir, key_file, tmp_path_factory.mktemp("server") / "server.log")
+async def server(model_dir, key_file, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    server = example.ServerProcess(model_dir, key_file, tmp_path_factory.mktemp("server") / "server.log")
     try:
         await server.start()
         yield server
     finally:
-        server.stop()
-
-
-@pytest.fixture
-def trainer_model(model_dir):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
-
-
-async def served(client: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float], tuple]:
-    """The server's greedy completion of ``prompt`` over HTTP: token ids, log-probabilities, versions."""
-    answer, versions = await client.completions({"prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0,
-                                                 "logprobs": 0, "ignore_eos": True,
-                                                 "return_tokens_as_token_ids": True})
-    return *first_choice(answer), versions
+        await server.stop()
 
 
 async def assert_server_holds(client: VLLMServer, model, version: int) -> None:
     """What the server generates is what ``model`` generates, and it says ``version`` generated it."""
     for p in PROMPTS:
-        ids, lps, versions = await served(client, p)
+        ids, lps, versions = await example.served(client, p)
         hf_ids, hf_lps = greedy(model, p, TOKENS)
         assert ids == hf_ids, (p, ids, hf_ids)
         assert max(abs(a - b) for a, b in zip(lps, hf_lps)) <= LOGPROB_TOLERANCE
@@ -225,15 +140,15 @@ async def test_updates_without_the_key_are_refused_and_change_nothing(server, ke
 
 async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key_file, trainer_model):
     opt = make_optimizer(trainer_model)
-    with anyio.fail_after(START_TIMEOUT + 8 * HANG_GUARD):
+    with anyio.fail_after(example.START_TIMEOUT + 8 * HANG_GUARD):
         async with VLLMServer(server.url, key_file=str(key_file), timeout=60) as client:
-            async with Synchronizer({"style": "fixed", "delivery_timeout": 30.0}, PATCH) as sync:
+            async with Synchronizer(example.CONFIG, PATCH) as sync:
                 trainer = await sync.attach_trainer(trainer_model)
                 explorer = await sync.attach_explorer("srv0", client)
                 await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 51)
                 await trainer.sync_weight(1)
                 assert await explorer.sync_weight() == 1
-                server.stop()
+                await server.stop()
                 await server.start()                           # the weights it was started from, a new run
                 await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 52)
                 await trainer.sync_weight(2)

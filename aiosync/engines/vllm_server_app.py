@@ -46,7 +46,7 @@ from typing import Any
 import anyio
 
 from ..aio import run_sync
-from ..errors import ApplyError, AuthenticationError, PayloadError, PeerTimeoutError
+from ..errors import ApplyError, AuthenticationError, PayloadError
 from ..syncers.base import StagedWrite, WeightSyncer
 from .auth import Verifier, load_key
 from .vllm_server_protocol import (CALL, HELLO, OPS, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall, error_fields,
