@@ -140,3 +140,25 @@ async def test_a_stranger_and_a_replay_are_refused_and_change_nothing():
     assert holds(served, 1) and server.app.end.version == 1
     refused = server.app.verifier.refused  # the impostor's explorer also sent an abort, refused too
     assert refused["replayed"] == 1 and refused["unsigned"] == 3 and refused["bad_signature"] >= 2
+
+
+async def test_two_servers_share_each_patch_and_take_it_without_the_trainer_waiting():
+    state = trainer_state()
+    servers = [InProcessServer(rollout_model()) for _ in range(2)]
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for server in servers:
+                server.start(tg)
+            async with Synchronizer({"style": "trainer_driven", "sync_weight_no_wait": True}, PATCH) as sync:
+                trainer = await sync.attach_trainer(state)
+                for i, server in enumerate(servers):
+                    await sync.attach_explorer(f"srv{i}", server.client())
+                lines = [sync.explorers[f"srv{i}"].line.stats for i in range(2)]
+                for v in (1, 2, 3):
+                    train_to(state, v)
+                    await trainer.step_done()            # publishes; the servers apply in the background
+                await trainer.stop()
+            tg.cancel_scope.cancel()                     # the synchronizer drained: every server holds 3
+    for server in servers:
+        assert holds(server.target, 3) and server.app.end.version == 3
+    assert sum(line.shared for line in lines) >= 1       # a patch built once, taken by both
