@@ -162,3 +162,34 @@ async def test_two_servers_share_each_patch_and_take_it_without_the_trainer_wait
     for server in servers:
         assert holds(server.target, 3) and server.app.end.version == 3
     assert sum(line.shared for line in lines) >= 1       # a patch built once, taken by both
+
+
+def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():
+    pytest.importorskip("vllm")
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    verifier, seen = Verifier(KEY), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"server": verifier.server})
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        try:
+            expected = verifier.expected("POST", request.url.path, headers, request.content)
+            verifier.check("POST", request.url.path, headers, expected)
+        except AuthenticationError as exc:
+            return httpx.Response(401, json={"error": str(exc), "reason": exc.reason})
+        seen.append((request.url.path, request.content))
+        return httpx.Response(200, json={})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    client = SignedHTTPWeightSyncClient("http://srv", key=KEY, client=http)
+    client.start_weight_update()
+    client.update_weights({"commit": True, "update_id": "u1"})
+    verifier.server = "restarted"                         # the server's next run: signed again, once
+    client.finish_weight_update("3")
+    assert [p for p, _ in seen] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert seen[1][1] == b'{"update_info": {"commit": true, "update_id": "u1"}}'
+    with pytest.raises(AuthenticationError, match="does not verify") as exc:
+        SignedHTTPWeightSyncClient("http://srv", key=OTHER, client=http).start_weight_update()
+    assert exc.value.reason == "bad_signature" and verifier.refused == {"other_server": 1, "bad_signature": 1}

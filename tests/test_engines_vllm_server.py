@@ -138,6 +138,23 @@ async def test_updates_without_the_key_are_refused_and_change_nothing(server, ke
     assert refused["unsigned"] >= 5 and refused["replayed"] >= 1 and refused["bad_signature"] >= 1
 
 
+async def test_vllms_own_client_reaches_the_weight_routes_only_signed(server, key_file):
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        label = (await http.get("/weight_info")).json()
+        signed = SignedHTTPWeightSyncClient(server.url, key_file=str(key_file), timeout=60)
+        await anyio.to_thread.run_sync(signed.start_weight_update)   # vLLM's own calls, signed
+        await anyio.to_thread.run_sync(signed.finish_weight_update)  # nothing committed: discarded
+        signed.close()
+        with pytest.raises(requests.HTTPError, match="401"):
+            await anyio.to_thread.run_sync(HTTPVLLMWeightSyncClient(server.url, timeout=60).start_weight_update)
+        assert (await http.get("/weight_info")).json() == label
+
+
 async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key_file, trainer_model):
     opt = make_optimizer(trainer_model)
     with anyio.fail_after(example.START_TIMEOUT + 8 * HANG_GUARD):
