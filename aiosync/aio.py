@@ -189,3 +189,16 @@ async def hold_all(locks: Iterable[Any]) -> AsyncIterator[None]:
         for lock in locks:
             await stack.enter_async_context(lock)
         yield
+
+
+async def leave_task_group(tg: Any, exc: BaseException) -> None:
+    """Leave a task group entered by hand (``await tg.__aenter__()``) after ``exc`` ended the code
+    inside it — its ``__aenter__`` caller is failing: a cancellation is handed to the group (so
+    its cancel scope unwinds together with the caller's), any other exception stays the
+    caller's to raise (the group's children are cancelled and waited for either way)."""
+    tg.cancel_scope.cancel()
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        await tg.__aexit__(type(exc), exc, exc.__traceback__)
+    else:
+        await tg.__aexit__(None, None, None)
+

@@ -89,6 +89,17 @@ class TransportError(AiosyncError, ConnectionError):
     """A transport failed to deliver a payload (a broken link, or a failure injected on purpose)."""
 
 
+class ExplorerLostError(TransportError):
+    """The synchronizer declared this explorer lost (it went silent past ``liveness_timeout``,
+    or its wire broke) and ended its session: the explorer's calls fail from now on. ``reason``
+    says why it was lost. Attach it again under the same name (``Synchronizer.attach_explorer``,
+    or a new ``Explorer`` in its process) to start from the newest version."""
+
+    def __init__(self, message: str, *, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
 class AuthenticationError(AiosyncError, PermissionError):
     """A request or answer was refused because it does not carry a valid signature of the key
     both sides share (none, a wrong key, an altered message, or a replay: ``reason`` says which,

@@ -28,6 +28,21 @@ the same rows of its copy; the hashes meet on rank 0, which writes (``--json``) 
 
 ``--mode gather`` runs the old way for comparison (every rank gathers the full state each step,
 rank 0 syncs it); more figures go to stderr.
+
+**Explorers in processes of their own** (``--ranks R``: the first R ranks train, every other rank
+is one explorer, over gloo from rank 0 — multicast rounds when several take a version at once)::
+
+    torchrun --standalone --nproc-per-node 5 examples/sharded_sync.py --ranks 2 --explorers 3 \
+        --join-late-at 3 --kill-explorer-at 6 --steps 12 --json out.json
+
+``--join-late-at S``: the last explorer joins after train step S, through rank 0's
+``wait_for_explorers`` (the other trainer ranks serve its bootstrap meanwhile: they are between
+steps). ``--kill-explorer-at S``: the first explorer dies by SIGKILL once it holds version S (its
+process is a child of its torchrun worker, so that torchrun sees the worker end cleanly and keeps
+the others running); the others carry on. The report adds ``late_joined`` (explorers attached
+after the first step), ``killed``, ``survivors`` and ``survivor_max_gap_s`` (the longest a
+surviving explorer waited for a version the trainer had published, from its publish to the
+explorer holding it or a newer one); ``bit_exact`` is then about the survivors.
 """
 
 from __future__ import annotations
@@ -36,6 +51,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -44,12 +61,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiosync.coordination import Synchronizer
+from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import SHARD_TAG, ShardPeer
 from aiosync.syncers import gather_full_state
 from aiosync.syncers.patch.shard_layout import shard_layout
 from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
 from aiosync.transports.distributed import WeightSyncGroup
+
+#: Point-to-point tags apart from the explorers' channels: rank 0 telling the late explorer to
+#: join, and the reports sent to rank 0 at the end (a killed rank rules out collectives).
+JOIN_TAG, REPORT_TAG = 0x5A5E, 0x5A5F
 
 
 def weight_syncer(bucket: int) -> dict:
@@ -127,6 +148,8 @@ def make_trainer(args, fsdp_group):
 
 async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
     rank = group.rank
+    if rank >= args.ranks:
+        return await run_explorer(args, group, rank - args.ranks)
     model, train_step = make_trainer(args, fsdp_group)
     names = collect_param_names_need_sync(model)
     config = {"method": "nccl", "style": "trainer_driven", "sync_weight_no_wait": True,
@@ -141,7 +164,7 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
         report = await run_rank0(args, group, fsdp_group, model, train_step, names, config, ws)
     else:
         async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout) as peer:
-            await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
+            await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every trainer rank starts together
             builds0, build_s0 = peer.server.builds, peer.server.build_s
             for step in range(1, args.steps + 1):
                 await anyio.to_thread.run_sync(train_step, step)
@@ -159,12 +182,23 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
 
 
 async def run_rank0(args, group, fsdp_group, model, train_step, names, config, ws) -> dict:
-    peers = [group.transport(r, tag=SHARD_TAG) for r in range(1, group.world_size)]
+    peers = [group.transport(r, tag=SHARD_TAG) for r in range(1, args.ranks)]
+    remote = list(range(args.ranks, group.world_size))  # explorer processes (--ranks)
+    late = remote[-1] if remote and args.join_late_at else None
     held = 0
+    published: dict[int, float] = {}
+    late_joined = 0
     async with Synchronizer(config, ws) as sync:
         trainer = await sync.attach_trainer(model, shard_peers=peers)
-        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(args.explorers)]
-        await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every rank starts training together
+        sync.source.listeners.append(lambda event, v: published.setdefault(v, time.time())
+                                     if event == "window_open" and v is not None else None)
+        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(0 if remote else
+                                                                                           args.explorers)]
+        for r in remote:
+            sync.serve_remote(group.transport(r))
+        if remote:
+            await sync.wait_for_explorers(len(remote) - (late is not None), timeout=args.timeout)
+        await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every trainer rank starts together
         shards = sync.shards
         builds0, build_s0 = shards.builds, shards.build_s
         async with anyio.create_task_group() as tg:
@@ -174,8 +208,14 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
                 await anyio.to_thread.run_sync(train_step, step)
                 await trainer.step_done()
                 held = max(held, sync.fanout.held_bytes)
+                if late is not None and step == args.join_late_at:  # between two steps, as documented
+                    before = {n for n, s in sync.explorers.items() if s.open}
+                    await group.transport(late, tag=JOIN_TAG).send({"join": step})
+                    now = await sync.wait_for_explorers(len(before) + 1, timeout=args.timeout)
+                    late_joined = len(set(now) - before)
             await trainer.stop()
         builds, build_s = shards.builds - builds0, (shards.build_s - build_s0) / args.steps
+        lost = sorted(n for n, s in sync.explorers.items() if s.lost)
     m = sync.metrics()
     print(json.dumps({"rank0": {"fanout": m["fanout"], "relayed_bytes": shards.relayed_bytes,
                                 "relayed_peak": shards.relayed_peak, "shard_peak_bytes": shards.peak_bytes,
@@ -183,7 +223,33 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
                                 "explorers": {k: {f: r[f] for f in ("delivered", "reinits", "shared", "bytes_sent")}
                                               for k, r in m["explorers"].items()}}}), file=sys.stderr)
     return {"builds": builds, "build_s": build_s, "held": shards.peak_bytes + held + shards.relayed_peak,
-            "explorer_rows": [ex.slot.model.state_dict() for ex in explorers]}
+            "explorer_rows": [ex.slot.model.state_dict() for ex in explorers], "published": published,
+            "late_joined": late_joined, "lost": lost}
+
+
+async def run_explorer(args, group: WeightSyncGroup, k: int) -> dict:
+    """An explorer in a process of its own (``--ranks``): rolls out with the newest weights it has,
+    records when it first rolled out on each version; the late one joins when rank 0 says so; the
+    victim dies."""
+    late = args.join_late_at and group.rank == group.world_size - 1
+    victim = args.kill_explorer_at and k == 0
+    if late:
+        with anyio.fail_after(args.timeout * 4):
+            await group.transport(0, tag=JOIN_TAG).recv()
+    arrived: dict[int, float] = {}  # when each version was first rolled out on
+    async with Explorer(f"x{k}", rollout_model(args), group.transport(0), connect_timeout=args.timeout) as ex:
+        g = torch.Generator().manual_seed(7 + k)
+        while not ex.trainer_stopped:
+            async with ex.lease() as (model, version):
+                arrived.setdefault(version, time.time())
+                if victim and version >= args.kill_explorer_at:
+                    os.kill(os.getpid(), signal.SIGKILL)  # dies with its sockets open, mid-run
+                idx = torch.randint(0, model.emb.num_embeddings, (2, 8), generator=g)
+                await anyio.to_thread.run_sync(lambda: model(idx).argmax(-1))
+            await ex.step_done()
+    arrived.setdefault(ex.version, time.time())
+    return {"explorer": f"x{k}", "late": bool(late), "arrived": arrived, "version": ex.version,
+            "state": ex.slot.model.state_dict()}
 
 
 async def run_gathered(args, rank, fsdp_group, model, train_step, names, config, ws) -> dict:
@@ -246,6 +312,20 @@ async def rollouts(explorer) -> None:
         await explorer.step_done()
 
 
+def survivor_gap(published: dict, arrived: dict) -> float:
+    """The longest a survivor waited for a version the trainer published while it was attached:
+    from the publish to the survivor holding that version or a newer one."""
+    start = min(arrived.values())
+    gaps = []
+    for v, t_pub in published.items():
+        if t_pub < start:
+            continue
+        held = [t for w, t in arrived.items() if w >= v]
+        if held:
+            gaps.append(max(0.0, min(held) - t_pub))
+    return max(gaps, default=0.0)
+
+
 def summarize(args, reports: list[dict], explorer_states: list) -> dict:
     elems = {}
     for r in reports:
@@ -268,9 +348,16 @@ def summarize(args, reports: list[dict], explorer_states: list) -> dict:
             "full_snapshot_bytes": int(full_snapshot), "seconds": round(max(r["seconds"] for r in reports), 3)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--explorers", type=int, default=2, help="explorers, in rank 0's process")
+    parser.add_argument("--explorers", type=int, default=2,
+                        help="explorers: in rank 0's process, or (--ranks) one per process after the trainer ranks")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="trainer ranks (default: every process); the other processes are explorers")
+    parser.add_argument("--join-late-at", type=int, default=0, metavar="STEP",
+                        help="with --ranks: the last explorer joins after this train step (wait_for_explorers)")
+    parser.add_argument("--kill-explorer-at", type=int, default=0, metavar="VERSION",
+                        help="with --ranks: the first explorer dies by SIGKILL once it holds this version")
     parser.add_argument("--steps", type=int, default=10, help="train steps; a patch sync after each")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -280,26 +367,103 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("shard", "gather"), default="shard")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait on a peer may take")
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # an explorer rank's own process
     args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args.ranks = world if args.ranks is None else args.ranks
+    problems = []
+    if not 1 <= args.ranks <= world:
+        problems.append(f"--ranks {args.ranks} must be between 1 and the {world} processes")
+    elif args.ranks < world and args.explorers != world - args.ranks:
+        problems.append(f"--explorers {args.explorers} with --ranks {args.ranks} needs {args.ranks + args.explorers} "
+                        f"processes (--nproc-per-node), got {world}")
+    if (args.join_late_at or args.kill_explorer_at) and args.ranks == world:
+        problems.append("--join-late-at and --kill-explorer-at need explorers in processes of their own (--ranks)")
+    for flag, at in (("--join-late-at", args.join_late_at), ("--kill-explorer-at", args.kill_explorer_at)):
+        if at and not 0 < at < args.steps:
+            problems.append(f"{flag} {at} must be a step in 1 .. {args.steps - 1}")
+    if args.join_late_at and args.kill_explorer_at and args.explorers < 3:
+        problems.append("--join-late-at with --kill-explorer-at needs --explorers 3 or more (one joins late, one "
+                        "dies, one survives)")
+    if args.mode == "gather" and args.ranks != world:
+        problems.append("--mode gather runs explorers in rank 0's process: leave --ranks out")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def run_child(argv: list[str], args: argparse.Namespace) -> int:
+    """An explorer rank's torchrun worker: run its explorer in a child process (the same rank,
+    the same environment) and end cleanly when that child is killed on purpose — torchrun stops
+    every worker when one dies, and only the explorer is meant to."""
+    code = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child"]).returncode
+    victim = args.kill_explorer_at and int(os.environ["RANK"]) == args.ranks
+    return 0 if victim and code == -signal.SIGKILL else code
+
+
+async def collect(args, group, report: dict) -> list[dict] | None:
+    """Every rank's report to rank 0, point to point (an explorer that was killed sends none);
+    rank 0 answers each so that none exits before its report was read."""
+    if group.rank != 0:
+        t = group.transport(0, tag=REPORT_TAG)
+        await t.send(report)
+        with anyio.move_on_after(args.timeout):
+            await t.recv()
+        return None
+    victim = args.ranks if args.kill_explorer_at else None
+    reports = [report]
+    for r in range(1, group.world_size):
+        if r != victim:
+            t = group.transport(r, tag=REPORT_TAG)
+            with anyio.fail_after(args.timeout):
+                reports.append(await t.recv())
+            await t.send("read")
+    return reports
+
+
+def summarize_processes(args, reports: list[dict], explorer_states: list) -> dict:
+    trainers, explorers = reports[:args.ranks], reports[args.ranks:]
+    result = summarize(args, trainers, [e["state"] for e in explorers] + explorer_states)
+    published = dict(trainers[0]["published"])
+    result.update(late_joined=trainers[0]["late_joined"], killed=trainers[0]["lost"], survivors=len(explorers),
+                  survivor_max_gap_s=round(max((survivor_gap(published, dict(e["arrived"])) for e in explorers),
+                                               default=0.0), 3))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if int(os.environ.get("RANK", "0")) >= args.ranks and not args.child:
+        return run_child(argv, args)
     torch.set_num_threads(1)
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     group = WeightSyncGroup.init(backend="gloo", timeout=args.timeout)
-    fsdp_group = dist.new_group(list(range(group.world_size)), backend="gloo")
+    fsdp_group = dist.new_group(list(range(args.ranks)), backend="gloo")  # every process calls it, in order
+    separate = args.ranks < group.world_size
     try:
         report = anyio.run(run, args, group, fsdp_group)
         explorer_states = report.pop("explorer_rows", [])  # stays here: only the hashes travel
-        reports = [None] * group.world_size
-        dist.all_gather_object(reports, report)
+        if separate:  # no collective over every rank: one of them may have been killed
+            for key in ("published", "arrived"):
+                if key in report:
+                    report[key] = sorted(report[key].items())
+            reports = anyio.run(collect, args, group, report)
+        else:
+            reports = [None] * group.world_size
+            dist.all_gather_object(reports, report)
         if group.rank == 0:
-            result = summarize(args, reports, explorer_states)
+            result = (summarize_processes if separate else summarize)(args, reports, explorer_states)
             line = json.dumps(result)
-            print(json.dumps({"mode": args.mode, "build_s_per_version": [round(r["build_s"], 4) for r in reports],
-                              "held_per_rank": [int(r["held"]) for r in reports]}), file=sys.stderr)
+            print(json.dumps({"mode": args.mode, "build_s_per_version": [round(r["build_s"], 4)
+                                                                          for r in reports[:args.ranks]],
+                              "held_per_rank": [int(r["held"]) for r in reports[:args.ranks]]}), file=sys.stderr)
             print(line)
             if args.json:
                 with open(args.json, "w") as f:
                     f.write(line + "\n")
-        dist.barrier()
+        if not separate:
+            dist.barrier()
     finally:
         group.destroy()
         dist.destroy_process_group()

@@ -226,9 +226,19 @@ async def test_backup_and_restore_run_off_the_event_loop_thread(monkeypatch):
 
 async def test_apply_timeout_when_a_lease_is_never_returned():
     slot = PolicySlot(stamped(1), version=1)
-    with slot.lease_nowait():
+    holding, release = anyio.Event(), anyio.Event()
+
+    async def hold():  # another task's lease (one of the applying task itself is refused at once)
+        with slot.lease_nowait():
+            holding.set()
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hold)
+        await holding.wait()
         with pytest.raises(PeerTimeoutError, match="lease"):
             await slot.apply(slow_writer(2), timeout=0.05)
+        release.set()
     assert slot.version == 1 and holds(slot.model, 1)
     assert await slot.apply(slow_writer(2), timeout=1) == 2
 

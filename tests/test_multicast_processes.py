@@ -56,16 +56,30 @@ def _wait_for_file(path: Path, bound: float = JOIN_BOUND) -> None:
         time.sleep(0.02)
 
 
-def _explore(group, rank: int, out: Path, die_at: int | None = None, shy: bool = False) -> dict:
+def _explore(group, rank: int, out: Path, die_at: int | None = None, shy: bool = False,
+             stuck_from: int | None = None) -> dict:
     import anyio
 
     from aiosync.coordination import Explorer
+    from aiosync.errors import PeerTimeoutError
 
     if shy:  # this member never takes part in a broadcast: it waits for the fallback at once
         async def refuse(*args, **kwargs):
             raise RuntimeError("this member does not join broadcasts")
 
         group.multicast._broadcast = refuse
+    waited_out = [0]
+    if stuck_from is not None:  # from that round on, its broadcasts wait past their bound (a relay died)
+        real = group.multicast._broadcast
+
+        async def stuck(sub, bodies, src, deadline):
+            if group.multicast._taken[src] < stuck_from:
+                return await real(sub, bodies, src, deadline)
+            await anyio.sleep(deadline - time.monotonic() + 2.0)
+            waited_out[0] += 1  # not given up for the fallback: this member waited its whole bound
+            raise PeerTimeoutError("this member's broadcast never completed")
+
+        group.multicast._broadcast = stuck
 
     async def explore() -> dict:
         t = group.transport(0)
@@ -76,8 +90,9 @@ def _explore(group, rank: int, out: Path, die_at: int | None = None, shy: bool =
                     (out / "kill-me").write_text(str(os.getpid()))
                     await anyio.sleep(3600)  # the test kills this process now
                 await anyio.sleep(0.005)
+        mc = group.multicast.statistics()
         await t.send({"final": ex.version, "holds": holds(ex.slot.model, ex.version),
-                      "broadcasts": group.multicast.statistics().broadcasts})
+                      "broadcasts": mc.broadcasts, "fallbacks": mc.fallbacks, "waited_out": waited_out[0]})
         return {}
 
     return anyio.run(explore)
@@ -87,15 +102,26 @@ def _scenario_rounds(rank: int, world: int, out: Path, extra: dict) -> dict:
     import anyio
 
     from aiosync.coordination import Synchronizer
+    from aiosync.errors import TransportError
     from aiosync.transports.distributed import WeightSyncGroup
     from aiosync.transports.distributed.wire import shared_statistics
 
     group = WeightSyncGroup.init(backend="gloo", timeout=OP_TIMEOUT)
     group.multicast.timeout = extra.get("round_timeout", OP_TIMEOUT)
+    stall_from = extra.get("stall_from")
     if rank != 0:
         return _explore(group, rank, out, extra.get("die_at") if rank == world - 1 else None,
-                        shy=rank == extra.get("shy"))
+                        shy=rank == extra.get("shy"), stuck_from=stall_from if rank == extra.get("stuck") else None)
     versions = extra["versions"]
+    if stall_from is not None:  # from that round on, the sender's broadcast fails at once (a member died)
+        real = group.multicast._broadcast
+
+        async def failing(sub, bodies, src, deadline):
+            if group.multicast._next_round - 1 < stall_from:
+                return await real(sub, bodies, src, deadline)
+            raise TransportError("a member of the broadcast died")
+
+        group.multicast._broadcast = failing
 
     async def train() -> dict:
         state = weights(0)
@@ -173,6 +199,27 @@ def test_a_dead_broadcast_member_does_not_hold_the_others_back(tmp_path):
     mc = r["multicast"]
     assert mc["groups"] == 2  # the four ranks' group, then after the loss one of the three left
     assert mc["rounds"] >= versions - 1  # rounds went on with the explorers left
+
+
+def test_survivors_take_the_fallback_while_their_broadcast_still_waits(tmp_path):
+    """Issue 34 item 7: a member dies, so the sender's broadcast fails at once; a survivor's own
+    broadcast (through the dead member) would wait out its bound. It listens for the fallback
+    meanwhile and takes it as soon as it comes (before: it listened only after its broadcast's
+    bound, when the sender had given its fallback send up — that version failed for it)."""
+    versions = 4
+    procs = start(__name__, "rounds", 3, tmp_path, {"versions": versions, "stall_from": 1, "stuck": 2,
+                                                      "round_timeout": 4.0})
+    join(procs)
+    r = results(tmp_path, range(3))[0]
+    for rank in ("1", "2"):
+        rep = r["reports"][rank]
+        assert rep["final"] == versions and rep["holds"], rank
+        assert r["explorers"][f"e{rank}"]["failed"] == 0, r["explorers"]  # every version delivered, none repaired
+        assert r["explorers"][f"e{rank}"]["reinits"] == 1  # its bootstrap only
+    # the stuck member took round 1 by its fallback, as soon as it came: its broadcast was given up
+    assert r["reports"]["2"]["fallbacks"] == 1 and r["reports"]["2"]["waited_out"] == 0
+    mc = r["multicast"]
+    assert mc["fallbacks"] == 1 and mc["broken"] == 1 and mc["rounds"] == 2  # later versions: point to point
 
 
 def test_a_member_that_never_joins_a_broadcast_costs_one_bounded_wait(tmp_path):

@@ -86,6 +86,7 @@ class Trainer(TrainerActor):
             handle = await sync.attach_trainer(live)
             await sync.wait_for_explorers(explorers, timeout=GUARD)
             attached_at: dict = {}
+            joined: dict = {}
             left: dict = {}
             for v in range(1, versions + 1):
                 for k, t in state(v).items():
@@ -98,8 +99,9 @@ class Trainer(TrainerActor):
                     await self.wait_for_connections(await_joins[v], timeout=GUARD)
                     await sync.wait_for_explorers(explorers + 1, timeout=GUARD)
                     attached_at = {name: s.version for name, s in sync.explorers.items()}
+                    joined = dict(sync.explorers)  # a leaving explorer's session is no longer listed
                 if await_closed and v in await_closed:
-                    session = sync.explorers[await_closed[v]]
+                    session = joined[await_closed[v]]
                     with anyio.fail_after(GUARD):
                         while not session.closed:
                             await sync.source.changed(None)

@@ -14,9 +14,9 @@ import torch
 from anyio import wait_all_tasks_blocked
 
 from aiosync.checkpoints import TensorSlice
-from aiosync.coordination import Synchronizer
+from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import ShardPeer
-from aiosync.errors import ApplyError, ConfigError, HandshakeError
+from aiosync.errors import ApplyError, ConfigError, HandshakeError, PeerTimeoutError
 from aiosync.messages import Shared, unshare
 from aiosync.syncers import PatchWeightSyncer
 from aiosync.syncers.patch.handshake import receiver_metadata
@@ -214,6 +214,100 @@ async def test_a_shard_write_that_fails_rolls_back_every_shard():
         tg.cancel_scope.cancel()
 
 
+async def _join_late(sync, how: str, name: str, joined: anyio.Event, release: anyio.Event, out: dict,
+                     timeout: float = HANG_GUARD) -> None:
+    """An explorer that joins now: attached in this task (``attach_explorer``), or one in
+    "another process" over a wire that rank 0 serves, taken in by ``wait_for_explorers``."""
+    if how == "attach_explorer":
+        out[name] = await sync.attach_explorer(name, rollout())
+        return
+    a, b = inproc_pair(timeout=10)
+    sync.serve_remote(a)
+
+    async def remote() -> None:
+        try:
+            async with Explorer(name, rollout(), b, connect_timeout=HANG_GUARD) as ex:
+                out[name] = ex
+                joined.set()
+                await release.wait()
+        except Exception as exc:  # the join failed: say why (its error names who stalled)
+            out[name] = exc
+            joined.set()
+
+    sync._tg.start_soon(remote)
+    await sync.wait_for_explorers(len(sync.explorers) + 1, timeout=timeout)
+
+
+@pytest.mark.parametrize("how", ["wait_for_explorers", "attach_explorer"])
+async def test_a_joiner_between_two_steps_is_served_by_every_rank(how):
+    """Issue 34 item 6: a joiner between two steps — the other ranks are stuck in their next
+    step's collective, which waits for rank 0 (here: their gate) — is bootstrapped from every
+    rank's live shards of the step just done, while rank 0 waits for it (before: rank 1 only
+    served it at its next step_done — never: the join failed after delivery_timeout)."""
+    t = Trainer()
+    t.gates = {v: anyio.Event() for v in (1, 2, 3)}
+    joined, release, out = anyio.Event(), anyio.Event(), {}
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for peer in t.peers:
+                tg.start_soon(t.run_peer, peer, 3)
+            async with Synchronizer(NCCL, PATCH) as sync:
+                trainer = await sync.attach_trainer(pieces(t.state, 0), param_names=list(t.state),
+                                                    shard_peers=[a for a, _ in t.pairs])
+                first = await sync.attach_explorer("e0", rollout())
+                for v in (1, 2):
+                    t.train_to(v)
+                    t.gates[v].set()
+                    await trainer.step_done()
+                await _join_late(sync, how, "late", joined, release, out)  # ranks 1, 2: between steps 2 and 3
+                late = out["late"]
+                assert not isinstance(late, Exception), late
+                async with late.lease() as (model, version):
+                    assert version == 2 and holds(model, 2)  # every rank's shard of step 2
+                t.train_to(3)
+                t.gates[3].set()
+                await trainer.step_done()
+                await trainer.stop()
+                release.set()
+    assert first.version == late.version == 3 and holds(late.slot.model, 3) and holds(first.slot.model, 3)
+
+
+async def test_a_rank_that_stalls_a_join_is_named():
+    """Issue 34 item 6: a rank that is not at rank 0's step (stuck in its training) stalls a
+    joiner's bootstrap: the errors name that rank, not the joiner."""
+    t = Trainer()
+    t.gates = {v: anyio.Event() for v in (1, 2)}
+    stuck = anyio.Event()
+    joined, release, out = anyio.Event(), anyio.Event(), {}
+
+    async def slow_rank(peer: ShardPeer) -> None:  # rank 1 finishes step 1, then never step 2
+        async with peer:
+            await t.gates[1].wait()
+            await peer.step_done()
+            await stuck.wait()
+
+    cfg = dict(NCCL, delivery_timeout=3.0)  # the explorer's part of its join takes far less
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow_rank, t.peers[0])
+            tg.start_soon(t.run_peer, t.peers[1], 2)
+            async with Synchronizer(cfg, PATCH) as sync:
+                trainer = await sync.attach_trainer(pieces(t.state, 0), param_names=list(t.state),
+                                                    shard_peers=[a for a, _ in t.pairs])
+                for v in (1, 2):
+                    t.train_to(v)
+                    t.gates[v].set()
+                    await trainer.step_done()
+                with pytest.raises(PeerTimeoutError) as waited:
+                    await _join_late(sync, "wait_for_explorers", "late", joined, release, out, timeout=8.0)
+                await joined.wait()
+                stuck.set()
+                await trainer.stop()
+                tg.cancel_scope.cancel()
+    assert "shard rank 1" in str(out["late"]) and "shard rank 1" in str(waited.value)
+    assert "is it alive" not in str(out["late"])
+
+
 async def _serve(server: ShardServer, end) -> None:
     while True:
         await server.handle(await end.recv())
@@ -236,6 +330,28 @@ async def test_a_command_for_a_step_a_rank_has_not_reached_waits_for_it():
                 assert isinstance(done, ShardDone) and not done.ok and "no sender 7" in done.error  # run, at step 1
                 await to_rank0.send(ShardGo(1))
                 await to_rank0.send(ShardClose())
+
+
+async def test_a_cancelled_peer_step_done_is_resumed_by_the_next_call():
+    """Issue 34: a shard rank's step_done cancelled while it waits for rank 0's check point is
+    resumed by the next call — the same step, not one more (before: the rank counted a step
+    rank 0 never reached, and every later command was out of step)."""
+    to_rank0, peer_end = inproc_pair(timeout=10)
+    peer = ShardPeer(pieces(full(0), 1), peer_end, rank=1, names=list(full(0)), timeout=10)
+    with anyio.fail_after(HANG_GUARD):
+        async with peer:
+            assert isinstance(await to_rank0.recv(), ShardHello)
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(peer.step_done)
+                    await wait_all_tasks_blocked()  # waiting for rank 0's check point of step 1
+                    scope.cancel()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(peer.step_done)  # the same check point
+                await wait_all_tasks_blocked()
+                await to_rank0.send(ShardGo(1))
+            assert peer.step == 1
+            await to_rank0.send(ShardClose())
 
 
 async def test_a_command_for_another_step_is_refused():

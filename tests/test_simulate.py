@@ -88,3 +88,27 @@ def test_admission_control_wastes_no_rollout_where_filtering_alone_drops_them():
     assert admitted["rollouts_wasted"] == 0 and admitted["rollouts"] > 0
     assert admitted["max_staleness_used"] <= 2
     assert admitted["admission"]["trainer_waits"] > 0 and admitted["admission"]["trainer_timeouts"] == 0
+
+
+CHAOS_KEYS = {"synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors", "hold_back_timeouts",
+              "max_ahead_exceeded", "steps", "final_bit_exact"}
+
+
+@pytest.mark.parametrize("method", ["memory", "checkpoint", "nccl"])
+def test_chaos_scenario_one_explorer_never_takes_the_run_down(method, tmp_path):
+    """Issue 32's done-when, shortened: explorers that go silent past liveness_timeout, call in
+    late, drop mid-request and come back, on links with latency; max_ahead 1, FIXED, interval 2."""
+    out = tmp_path / "chaos.json"
+    argv = ["simulate", "--scenario", "chaos", "--method", method, "--steps", "40", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert CHAOS_KEYS <= set(report)
+    assert report["synchronizer_errors"] == 0, report["synchronizer_error_messages"]
+    assert report["lost"] >= 1 and report["reattached"] >= 1 and report["late_calls"] >= 1
+    assert set(report["late_call_errors"]) == {"ExplorerLostError"}
+    assert sum(report["late_call_errors"].values()) == report["late_calls"]
+    assert report["hold_back_timeouts"] == 0 and report["max_ahead_exceeded"] == 0
+    assert report["torn_reads"] == 0 and report["unexpected_errors"] == []
+    assert report["steps"] == 40 and report["final_bit_exact"] is True
+    cfg = report["config"]
+    assert (cfg["max_ahead"], cfg["style"], cfg["sync_interval"], cfg["method"]) == (1, "fixed", 2, method)

@@ -25,6 +25,11 @@ Scenarios:
   aiosync's back per run: :mod:`aiosync.cli.simulate_verify`.
 * ``links`` — ``encoding: auto`` with explorers behind a 50 Mbit/s and a 1 Gbit/s link side by
   side (:mod:`aiosync.cli.simulate_links`, a run of its own: each link picks its encoding).
+* ``chaos`` — explorers that go silent past ``liveness_timeout``, call in late, drop in the
+  middle of a request and are attached again (``max_ahead`` 1, FIXED interval 2):
+  :mod:`aiosync.cli.simulate_chaos`.
+* ``cancel`` — random cancellations of every public await, each made again at once (attach
+  cancels included): :mod:`aiosync.cli.simulate_cancel`.
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -54,7 +59,7 @@ from ..syncers.faults import ApplyFaults, flaky_syncer_factory
 from ..transports.faults import FaultProfile
 from ..transports.simulated import simulated_pair
 from .args import integer, number, output_path
-from .toy import ToyPolicy
+from .toy import ToyPolicy, warm_up_syncer
 
 
 @dataclass
@@ -90,6 +95,10 @@ class Scenario:
     #: usable samples the trainer needs per step (it waits for them, at most ``sync_timeout``,
     #: serving explorers' requests meanwhile); 0: it trains regardless
     batch: int | None = None
+    #: ``synchronizer.liveness_timeout``
+    liveness_timeout: float = 60.0
+    #: the cancel scenario: the longest budget a call is given (half the calls get none at all)
+    cancel_max_s: float = 0.004
 
 
 # Rates per message; each explorer's link carries ~4 messages per version in each direction.
@@ -105,6 +114,13 @@ SCENARIOS = {
     "faults": Scenario("faults", steps=600, step_time=0.01, explore_time=0.004, latency=0.002, bandwidth=1e9,
                        jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
                        verify_checksums=True, sync_timeout=2.0, delivery_timeout=0.5),
+    # Explorers that go silent, call in late, drop mid-request and come back (simulate_chaos.py).
+    "chaos": Scenario("chaos", steps=80, step_time=0.02, explore_time=0.004, latency=0.005, bandwidth=1e9,
+                      jitter=0.002, style="fixed", sync_interval=2, max_ahead=1, sync_timeout=5.0,
+                      delivery_timeout=5.0, liveness_timeout=1.0),
+    # Random cancellations of every public await, made again at once (simulate_cancel.py).
+    "cancel": Scenario("cancel", steps=400, step_time=0.01, explore_time=0.002, latency=0.002, bandwidth=1e9,
+                       jitter=0.001, style="fixed", sync_timeout=5.0, delivery_timeout=5.0),
 }
 
 
@@ -130,26 +146,6 @@ async def _baseline(policy: ToyPolicy, sc: Scenario) -> list[float]:
         await anyio.sleep(sc.step_time)
         times.append(time.perf_counter() - t0)
     return times
-
-
-async def _warm_up(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
-    """One syncer round trip on the toy policy, so that the numba kernels are compiled before
-    short delivery timeouts start counting (the faults scenario)."""
-    from ..syncers.factory import create_syncer
-    from ..transports.inproc import inproc_pair
-
-    make = syncer if callable(syncer) else (lambda: create_syncer(syncer))
-    sender, receiver = make(), make()
-    a, b = inproc_pair(timeout=120)
-    src = policy.weights(0)
-    dst = {k: torch.zeros_like(v, dtype=recv_dtype if v.is_floating_point() else v.dtype) for k, v in src.items()}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sender.init_sender, src, None, a.send, a.recv)
-        await receiver.init_receiver(dst, b.recv, b.send)
-    for version in (1, 2):
-        src = policy.weights(version)
-        await sender.sync(src, a.send, version)
-        await receiver.apply(dst, b.recv)
 
 
 async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]:
@@ -178,7 +174,7 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
     if sc.apply_failure_rate:
         syncer = flaky_syncer_factory(syncer, apply_faults)
     if sc.faults is not None or sc.apply_failure_rate:
-        await _warm_up(policy, syncer, recv_dtype)
+        await warm_up_syncer(policy, syncer, recv_dtype)
     transports: list = []
 
     def make_link(name: str):
@@ -379,9 +375,17 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
     level = logger.level
     if sc.faults is not None or sc.apply_failure_rate:
         logger.setLevel(logging.ERROR)  # one warning per injected fault: the report counts them instead
+    if sc.name == "chaos":
+        from .simulate_chaos import run_chaos as main
+        explorers = max(explorers, 3)
+        logger.setLevel(logging.ERROR)  # one warning per lost explorer: the report counts them instead
+    elif sc.name == "cancel":
+        from .simulate_cancel import run_cancel as main
+    else:
+        main = _simulate
     t0 = time.perf_counter()
     try:
-        report = anyio.run(_simulate, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
+        report = anyio.run(main, sc, explorers, seed, backend="asyncio", backend_options=backend_options)
     finally:
         logger.setLevel(level)
     report["wall_s"] = time.perf_counter() - t0
@@ -438,6 +442,16 @@ def run(args: argparse.Namespace) -> int:
         return simulate_verify.print_report(report)
     if args.scenario in MODULES:
         print("\n".join(importlib.import_module(MODULES[args.scenario]).summary(report)))
+        return 0
+    if "wrong_leases" in report:  # cancel
+        for k in ("scenario", "method", "cancellations", "retries", "attach_cancels", "wrong_leases", "leases",
+                  "failed_after_cancel", "longest_stale_s", "exit_s", "steps", "final_bit_exact"):
+            print(f"{k:<20}  {report[k]}")
+        return 0
+    if "synchronizer_errors" in report:  # chaos
+        for k in ("scenario", "method", "synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors",
+                  "dropped", "hold_back_timeouts", "max_ahead_exceeded", "steps", "torn_reads", "final_bit_exact"):
+            print(f"{k:<20}  {report[k]}")
         return 0
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",

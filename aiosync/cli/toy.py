@@ -1,8 +1,12 @@
 """The toy policy of ``aiosync simulate``: weights that are a pure function of the version, so
-every rollout can check, under its lease, that it reads exactly the version it reports."""
+every read can be checked bit for bit against the version it claims; and a warm-up that compiles
+the syncer's kernels before any timeout counts."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import torch
 
 
@@ -45,3 +49,32 @@ class ToyPolicy:
             cache[version] = self.weights(version, dtype)
         expected = cache[version]
         return all(torch.equal(state[k], expected[k]) for k in expected)
+
+    def final_state(self, explorers: dict, version: int | None) -> dict:
+        """Per explorer: the version it holds and the keys that differ from ``version``'s weights
+        (cast to its dtypes) — a run's end, in its report."""
+        expected = self.weights(version) if version is not None else {}
+        return {name: {"version": ex.version,
+                       "differs": [k for k, v in expected.items()
+                                   if not torch.equal(ex.slot.model[k], v.to(ex.slot.model[k].dtype))]}
+                for name, ex in explorers.items()}
+
+
+async def warm_up_syncer(policy: ToyPolicy, syncer: Any, recv_dtype: torch.dtype) -> None:
+    """One syncer round trip on the toy policy, so that the numba kernels are compiled before
+    short delivery timeouts start counting (the faults scenario)."""
+    from ..syncers.factory import create_syncer
+    from ..transports.inproc import inproc_pair
+
+    make = syncer if callable(syncer) else (lambda: create_syncer(syncer))
+    sender, receiver = make(), make()
+    a, b = inproc_pair(timeout=120)
+    src = policy.weights(0)
+    dst = {k: torch.zeros_like(v, dtype=recv_dtype if v.is_floating_point() else v.dtype) for k, v in src.items()}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.init_sender, src, None, a.send, a.recv)
+        await receiver.init_receiver(dst, b.recv, b.send)
+    for version in (1, 2):
+        src = policy.weights(version)
+        await sender.sync(src, a.send, version)
+        await receiver.apply(dst, b.recv)

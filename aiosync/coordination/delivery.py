@@ -34,7 +34,7 @@ from .fanout import Built, FanOut, changed_elements, receiver_key, restamp
 from .metrics import RunningStat, Series
 from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import LatestSlot
-from .sources import Published, Source, own_bytes
+from .sources import Published, Source, close_off_loop, own_bytes
 from .verify import StateCheck, VerifyStatistics, held_publish, mismatch_message
 
 log = logging.getLogger("aiosync.sync")
@@ -172,6 +172,9 @@ class DeliveryLine:
     receiver_meta: Any = None
     #: The transport under :attr:`transport` (a multicast round sends on it directly).
     wire: Any = None
+    #: Who other than the explorer a delivery waits for now (the other ranks of a sharded
+    #: trainer), named, or ``None``: a timeout then names them, not the explorer.
+    stalled: Callable[[], str | None] | None = None
     _conv: int = field(default=0, repr=False)
     _phase: str = field(default="", repr=False)
     _deadline: float = field(default=0.0, repr=False)
@@ -214,9 +217,12 @@ class DeliveryLine:
     def request(self, *, fresh_after: int | None = None, deadline: float | None = None) -> int:
         """Ask for the newest weights; returns the request's seq. Never blocks: merges into a
         pending request if there is one. ``fresh_after`` (a publish seq) waits for a newer
-        publish, until ``deadline`` (required with it: every wait has a bound)."""
+        publish, until ``deadline`` (required with it: every wait has a bound). A closed line
+        takes no request: it returns the seq of the last one served (nothing more will be)."""
         if fresh_after is not None and deadline is None:
             raise ValueError("a request for fresh weights needs a deadline: every wait has a timeout")
+        if self.closed:
+            return self.served_seq
         self.request_seq += 1
         self.pending.put_nowait(Request(self.request_seq, fresh_after, deadline))
         self.notify()
@@ -262,30 +268,59 @@ class DeliveryLine:
     # -- the task ----------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Serve requests one at a time until :meth:`close` (``start()``-able)."""
+        """Serve requests one at a time until :meth:`close` (``start()``-able). Senders nobody
+        uses any more are closed between deliveries and when the line ends — in a worker
+        thread, after the builds that use them (also when the line is cancelled)."""
         task_status.started()
-        while True:
-            try:
-                req = await self.pending.get()
-            except EndOfStream:
-                return
-            self.in_flight = req
-            self.notify()
-            try:
-                async with self._serving:
-                    self.last_outcome = await self._serve(req)
-            except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
-                self._fail(exc)
-            finally:
-                self.in_flight = None
-                self.served_seq = max(self.served_seq, req.seq)
+        try:
+            while True:
+                try:
+                    req = await self.pending.get()
+                except EndOfStream:
+                    return
+                self.in_flight = req
                 self.notify()
+                try:
+                    self.last_outcome = await self._serve_alone(req)
+                except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
+                    self._fail(exc)
+                finally:
+                    self.in_flight = None
+                    self.served_seq = max(self.served_seq, req.seq)
+                    self.notify()
+                if self.fanout is not None:
+                    await self.fanout.reap()
+        finally:
+            sender, self.sender = self.sender, None
+            await close_off_loop(sender)
+            if self.fanout is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fanout.reap()
+
+    async def _serve_alone(self, req: Request) -> str:
+        """:meth:`_serve` under the line's lock (never beside the drain's check of this line),
+        taken without a yield when it is free: with NCCL the request must reach the source's
+        waiting lines in the same step that set ``in_flight``, or a handshake in between counts
+        the line neither as waiting nor as coming, and the explorer misses that window."""
+        try:
+            self._serving.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._serving.acquire()
+        try:
+            return await self._serve(req)
+        finally:
+            self._serving.release()
 
     def _fail(self, exc: BaseException) -> None:
-        self.stats.failed += 1
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"
         self.needs_reinit = True
         self.last_outcome = "failed"
+        mux = getattr(self.transport, "mux", None)
+        ending = mux is not None and (mux.close_sent or mux.peer_closed.is_set())
+        if self.closed or ending:  # the session ends (detached, lost, closing): not a delivery failure
+            log.debug("aiosync: delivery to %s ended with its session: %s: %s", self.name, type(exc).__name__, exc)
+            return
+        self.stats.failed += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
         log.warning("aiosync: delivery to %s failed: %s", self.name, self.stats.last_error)
 
     async def _bounded(self, phase: str, version: int, coro_fn, *args):
@@ -295,11 +330,18 @@ class DeliveryLine:
             with anyio.fail_after(self._deadline - time.monotonic()):
                 return await coro_fn(*args)
         except TimeoutError:
+            who = None if self.stalled is None else self.stalled()
+            hint = _PHASE_HINTS[phase] if who is None else (
+                f"it waited for {who} of the sharded trainer, not for the explorer: that rank is not at rank 0's "
+                "step (call step_done() on every rank at the same steps; between steps the ranks serve only while "
+                "rank 0 is in wait_for_explorers, attach_explorer or step_done)")
             raise DeliveryTimeout(
                 f"delivery of version {version} to explorer {self.name} did not finish within "
-                f"delivery_timeout={self.delivery_timeout}s while {phase}: {_PHASE_HINTS[phase]}") from None
+                f"delivery_timeout={self.delivery_timeout}s while {phase}: {hint}") from None
 
     async def _serve(self, req: Request) -> str:
+        if self.closed:
+            return "closed"  # the session ended: nobody takes a delivery any more
         async with self.source.borrow(self, req.fresh_after, req.deadline) as pub:
             if pub is None:
                 if self.source.trainer_stopped:
@@ -314,6 +356,8 @@ class DeliveryLine:
             if chain is None:
                 packet, reinit = await self._build(pub)
             reference = await self._reference(pub, reinit=chain is None and reinit)
+        if self.closed:
+            return "closed"
         if pub.revoked:  # the trainer's window closed while this build still read its tensors
             raise PayloadError(f"the payload for version {pub.version} was built while the trainer's window closed "
                                "(its build outlived the bound); not sent")
@@ -434,10 +478,9 @@ class DeliveryLine:
         if self.fanout is not None:
             self.fanout.leave(self)
         bootstrap = self.applied_version is not None or self.stats.failed > 0 or self.bootstrap_first
-        if self.sender is not None:
-            self.sender.close()
+        old, self.sender = self.sender, None
+        await close_off_loop(old)
         sender = self.syncers.make(bootstrap)
-        self.sender = None
         self._conv += 1
         self.receiver_meta = None
         await self.transport.send(Reinit(pub.version, bootstrap, self._conv))
@@ -452,11 +495,12 @@ class DeliveryLine:
                 recv = _replay(meta, self._recv_init)
                 first = await self.fanout.attach(self, receiver_key(meta), meta, pub, send, sender)
                 if first is not None:
-                    sender.close()
+                    await close_off_loop(sender)
                     self.stats.reinits += 1
                     return own_bytes(Packet(pub.version, [first]), pub)
             await sender.init_sender(pub.state, self.names, send, recv)
         except BaseException as exc:
+            await close_off_loop(sender)
             with anyio.move_on_after(5, shield=True):
                 try:
                     await self.transport.send(Abort(pub.version, f"{type(exc).__name__}: {exc}", self._conv))

@@ -56,7 +56,7 @@ from ..syncers.base import WeightSyncer
 from ..syncers.common.payloads import ShardedPatch, Stamped
 from .encodings import LineageCosts, LinkChoice
 from .protocol import Packet
-from .sources import Published, own_bytes
+from .sources import Published, close_off_loop, own_bytes
 
 #: Packets a chain lineage keeps for members that lag behind.
 DEFAULT_HISTORY = 8
@@ -266,6 +266,8 @@ class FanOut:
     multicast_rounds: int = 0
     _member_of: dict = field(default_factory=dict)
     _rounds: dict = field(default_factory=dict)
+    #: Dropped lineages whose senders :meth:`reap` has not closed yet.
+    _retired: list = field(default_factory=list)
     #: The version each member holds, as last reported (:meth:`applied`).
     _holds: dict = field(default_factory=dict)
     _next_id: int = 0
@@ -329,13 +331,27 @@ class FanOut:
             self._drop(lineage)
 
     def _drop(self, lineage: Lineage) -> None:
+        """Nobody follows ``lineage`` any more; its sender is closed by :meth:`reap` once no
+        build uses it (never here: a build may run in a worker thread right now, and closing
+        frees a snapshot — work for a worker thread, not the event loop)."""
         if lineage.dropped:
             return
         lineage.dropped = True
-        lineage.sender.close()  # its snapshot (a sharded trainer: on every rank) is freed
         if lineage in self.lineages:
             self.lineages.remove(lineage)
+        self._retired.append(lineage)
         self.lineages_dropped += 1
+
+    async def reap(self) -> None:
+        """Close the senders of dropped lineages that no build uses now, in a worker thread
+        (their snapshots — on every rank, for a sharded trainer — are freed). Called by the
+        delivery lines between deliveries and when they end, and when the synchronizer closes."""
+        while True:  # one at a time: another line may reap while this one closes
+            lineage = next((lin for lin in self._retired if not lin.lock.locked()), None)
+            if lineage is None:
+                return
+            self._retired.remove(lineage)
+            await close_off_loop(lineage.sender)
 
     def _move(self, member: Hashable, lineage: Lineage) -> None:
         old = self._member_of.get(member)

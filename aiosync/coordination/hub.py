@@ -63,10 +63,15 @@ class Hub:
     senders: SyncerFactory | None = None
     #: The other ranks of a sharded trainer (told when each check point is over), or ``None``.
     shard_peers: Any = None
+    #: Who other than an explorer its delivery waits for now, named (a sharded trainer's
+    #: ranks: ``ShardSet.stalled``), for timeout messages; ``None``: nobody.
+    stalled: Any = None
+    #: Why the last join was refused (``wait_for_explorers`` says so when it times out).
+    last_refusal: str | None = None
     #: Attached explorer sessions by name (``Synchronizer.explorers``); lost ones stay, with their error.
     sessions: dict = field(default_factory=dict)
-    #: Names of explorers whose first sync runs now.
-    joining: set = field(default_factory=set)
+    #: Sessions whose first sync runs now, by name.
+    joining: dict = field(default_factory=dict)
     trainer_attached: anyio.Event = field(default_factory=anyio.Event)
 
     # -- who is there ------------------------------------------------------------------
@@ -77,6 +82,10 @@ class Hub:
     def lines(self) -> list[DeliveryLine]:
         """The delivery lines of every attached, open session."""
         return [s.line for s in self.open_sessions()]
+
+    def joining_lines(self) -> list[DeliveryLine]:
+        """The delivery lines of explorers whose first sync runs now."""
+        return [s.line for s in self.joining.values() if s.line is not None and not s.line.closed]
 
     def handshake_lines(self) -> set[DeliveryLine]:
         """Lines an NCCL handshake waits for: explorers that are running and alive."""
@@ -100,12 +109,14 @@ class Hub:
         NCCL requests wait for the trainer at most ``sync_timeout``. (A FIXED explorer waits for
         a newer version on its own side before it asks: :meth:`Explorer.sync_weight`.)"""
         cfg, source = self.config, self.source
+        latest = source.latest
         needs_trainer = cfg.method is SyncMethod.NCCL or cfg.style is SyncStyle.EXPLORER_DRIVEN
         if source.trainer_stopped:
-            latest = source.latest
             if cfg.method is SyncMethod.NCCL or latest is None or (held is not None and latest.version <= held):
                 return None
             needs_trainer = False
+        elif cfg.method is not SyncMethod.NCCL and latest is not None and (held is None or held < latest.version):
+            needs_trainer = False  # a newer version exists already: it is sent now, not after the next publish
         if needs_trainer:
             fresh_after = source.seq if cfg.method is not SyncMethod.NCCL else None
             return line.request(fresh_after=fresh_after, deadline=time.monotonic() + cfg.sync_timeout)
@@ -117,14 +128,17 @@ class Hub:
         return [line for line in lines
                 if not await line.wait_settled(max(0.0, deadline - time.monotonic())) and not line.closed]
 
-    async def wait_applied(self, lines: Iterable[DeliveryLine], version: int, timeout: float) -> list[DeliveryLine]:
+    async def wait_applied(self, lines: Iterable[DeliveryLine], version: int, timeout: float, *,
+                           until_idle: bool = False) -> list[DeliveryLine]:
         """Wait until every line's explorer applied ``version`` or newer (or stopped, left, was
-        lost); returns the lines still below it after ``timeout``."""
+        lost; ``until_idle``: or its line has nothing in flight any more); returns the lines
+        still below it after ``timeout``."""
         deadline = time.monotonic() + timeout
+        joining = set(self.joining_lines())
 
         def caught_up(line: DeliveryLine) -> bool:
             return (line.applied_version is not None and line.applied_version >= version) or \
-                line not in self.handshake_lines()
+                (until_idle and not line.busy) or (line not in self.handshake_lines() and line not in joining)
 
         return [line for line in lines
                 if not await line.wait_for(lambda line=line: caught_up(line), max(0.0, deadline - time.monotonic()))]

@@ -46,6 +46,17 @@ class Lane(Transport):
             raise item.error
         return item
 
+    async def next_message(self) -> Any | None:
+        """The next message, waiting through receive timeouts (an idle peer); ``None`` once the
+        session ended."""
+        while True:
+            try:
+                return await self.recv()
+            except PeerTimeoutError:
+                continue
+            except EndOfStream:
+                return None
+
 
 class _Refused:
     """In a lane's queue: a message that arrived but could not be rebuilt (its error)."""

@@ -45,8 +45,10 @@ from ..messages import message
 #: Version of this protocol; a Hello of another version is refused. 3: streamed packets
 #: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them. 4:
 #: whole-state verification (:class:`Verify`, :class:`Verified`, ``Hello.dtypes``), the
-#: handshake's ``shares`` and the bucket manifest's ``__aiosync__.shares``.
-PROTOCOL = 4
+#: handshake's ``shares`` and the bucket manifest's ``__aiosync__.shares``. 5: the closing
+#: synchronizer's last :class:`Close` (reason :data:`UNSERVED`, not answered: an explorer of 4
+#: would answer it on a wire nobody reads), :class:`ShardServe` between a sharded trainer's ranks.
+PROTOCOL = 5
 
 _INT64 = 1 << 63
 #: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
@@ -315,10 +317,17 @@ class Leave(Control):
 @dataclass(eq=False)
 @_fields(version="v?", reason="s")
 class Close(Control):
-    """Either way: the session ends; the receiver answers with its own Close and stops reading."""
+    """Either way: the session ends; the receiver answers with its own Close and stops reading.
+    A reason that starts with :data:`UNSERVED` is the synchronizer's last word on a wire it
+    served (``serve_remote``) when it closed: nobody reads that wire any more, so it is not
+    answered — an explorer that joins on it after that fails at once, saying so."""
 
     version: int | None = None
     reason: str = ""
+
+
+#: The reason prefix of the Close a closing synchronizer leaves on each wire it served.
+UNSERVED = "unserved:"
 
 
 # ----------------------------------------------------------------------------- shard ranks
@@ -331,6 +340,17 @@ class Close(Control):
 class ShardGo:
     """The synchronizer's rank finished its check point of trainer step ``step``: a shard rank
     waiting in ``step_done()`` trains on."""
+
+    step: int
+
+
+@message
+@dataclass(eq=False)
+class ShardServe:
+    """The synchronizer's rank is at its check point of trainer step ``step`` again, outside
+    ``step_done()`` (``wait_for_explorers``, an attach from the trainer's task): a rank that
+    finished that step serves commands now — a synchronous trainer's weights cannot change while
+    that rank is not training. :class:`ShardGo` of the same step ends it."""
 
     step: int
 

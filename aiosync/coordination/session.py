@@ -38,6 +38,10 @@ from .verify import StateCheck
 log = logging.getLogger("aiosync.sync")
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class ExplorerStatistics(LineStatistics):
     """The synchronizer's view of one explorer (B6): its delivery line's counters, plus its
@@ -70,6 +74,9 @@ class ExplorerSession:
         self._notices_tx: MemoryObjectSendStream | None = None
         self._beat = anyio.Event()
         self._tg: Any = None
+        #: A Hello that arrived on this wire after the session ended: a new explorer (or the same
+        #: one, back) — :meth:`Synchronizer.serve_remote` starts the next session with it.
+        self.next_hello: Hello | None = None
 
     # -- the synchronizer's view ---------------------------------------------------------
 
@@ -109,31 +116,37 @@ class ExplorerSession:
 
     # -- the task ----------------------------------------------------------------------
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen for the explorer's Hello (now or later: elastic joins, S12), attach it, then
-        serve it until the session ends. Signals readiness once it listens."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            await tg.start(self.mux.run)
-            task_status.started(self)
-            hello = await self._wait_hello()
-            if hello is not None and await self._attach(hello, tg):
-                await self._serve_control()
-            tg.cancel_scope.cancel()
+    async def run(self, hello: Hello | None = None, *,
+                  task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen for the explorer's Hello (now or later: elastic joins, S12; ``hello``: one that
+        already arrived), attach it, then serve it until the session ends. Signals readiness once
+        it listens. Never raises (but cancellation): whatever goes wrong in one session ends that
+        session — the explorer is lost, ``error`` says why — never the synchronizer."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                await tg.start(self.mux.run)
+                task_status.started(self)
+                hello = hello or await self._wait_hello()
+                if hello is not None and await self._attach(hello, tg):
+                    await self._serve_control()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # an internal error of this session: it ends, the others go on
+            log.error("aiosync: the session of explorer %s failed: %s", self.name, _describe(exc), exc_info=exc)
+            self._lose(exc)
 
     async def _wait_hello(self) -> Hello | None:
-        while True:
-            try:
-                msg = await self.mux.control.recv()
-            except PeerTimeoutError:
-                continue  # a late joiner: keep listening
-            except EndOfStream:
-                return None  # the peer went away before it joined
+        while (msg := await self.mux.control.next_message()) is not None:  # None: it went away before it joined
             if isinstance(msg, Hello):
                 return msg
+            if isinstance(msg, Close):  # it gave up before its Hello came: answer, the wire is free again
+                await self.mux.send_quietly(Close(None, "bye"))
+                return None
+        return None
 
     async def _refuse(self, reason: str) -> None:
         log.warning("aiosync: refused explorer %s: %s", self.name, reason)
+        self.hub.last_refusal = f"explorer {self.name}: {reason}"
         with anyio.move_on_after(10, shield=True):
             await self.mux.send_quietly(Refused(reason))
             await self.mux.send_quietly(Close(None, reason))
@@ -154,16 +167,17 @@ class ExplorerSession:
             # under it (R2, e.g. an actor Ray restarted); its new session replaces the old one.
             await self._refuse(f"an explorer named {hello.name!r} is already attached")
             return False
-        hub.joining.add(hello.name)
+        hub.joining[hello.name] = self
         try:
             return await self._first_sync(hello, tg)
         finally:
-            hub.joining.discard(hello.name)
+            hub.joining.pop(hello.name, None)
 
     async def _first_sync(self, hello: Hello, tg: Any) -> bool:
         hub, cfg, trainer = self.hub, self.hub.config, self.hub.trainer
         line = DeliveryLine(hello.name, self.mux.data, hub.senders or hub.syncers, hub.source, trainer.names,
-                            cfg.delivery_timeout, fanout=hub.fanout, on_change=self._on_line_change, wire=self.wire)
+                            cfg.delivery_timeout, fanout=hub.fanout, on_change=self._on_line_change, wire=self.wire,
+                            stalled=hub.stalled)
         # A patch syncer without init_sync trusts the explorer to hold the trainer's weights
         # already (the seed's assumption); only an explorer that declares the version gets that trust.
         line.bootstrap_first = hub.syncers.bootstrap_unless_declared and hello.version != trainer.version
@@ -186,11 +200,14 @@ class ExplorerSession:
             seq = line.request(deadline=time.monotonic() + cfg.sync_timeout)
         else:
             seq = line.request()
+        tg.start_soon(self._watch_join, line)
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
-        if line.state_check is not None and line.state_check.mismatched and line.request_seq > seq:
+        if not self.closed and line.state_check is not None and line.state_check.mismatched and line.request_seq > seq:
             seq = line.request_seq  # its state did not verify: the repair that asked for at once
             await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
-        if line.last_outcome != "delivered" or line.served_seq < seq:
+        if self.closed:
+            return False  # ended meanwhile (the synchronizer closes, or the join was abandoned)
+        if line.served_seq < seq or line.applied_version is None or line.needs_reinit:  # nothing delivered
             err = line.stats.last_error or line.last_outcome or "no answer"
             await self._refuse(f"the first sync of explorer {hello.name} failed ({err})")
             self._end()
@@ -203,6 +220,14 @@ class ExplorerSession:
         tg.start_soon(self._watch_liveness)
         log.info("aiosync: explorer %s attached at version %s", hello.name, line.applied_version)
         return True
+
+    async def _watch_join(self, line: DeliveryLine) -> None:
+        """An explorer that gives up its join (its Close, or its wire broke) ends its first sync
+        at once — also while that waits for the trainer (an NCCL window) — so it is answered now,
+        not when the first sync's own bound runs out."""
+        await self.mux.finished.wait()
+        if not self._attached:
+            line.close()
 
     def _on_line_change(self, busy: bool | None, settled: bool | None) -> None:
         """The line went busy / idle (the explorer's status, as the synchronizer sees it), or a
@@ -227,41 +252,55 @@ class ExplorerSession:
                 await self.mux.send_quietly(notice)
 
     async def _serve_control(self) -> None:
-        cfg = self.hub.config
-        while True:
-            try:
-                msg = await self.mux.control.recv()
-            except PeerTimeoutError:
-                continue
-            except EndOfStream:
-                break
+        """Answer the explorer's control messages until the session ends. Every message is
+        weighed against the session's state: once the session is closed (lost, detached: its
+        Close is on the way), what crosses that Close on the wire is dropped — the explorer
+        learns from the Close — and a Hello means a new explorer on this wire (:attr:`next_hello`)."""
+        while (msg := await self.mux.control.next_message()) is not None:
             self._beat.set()  # every message is a sign of life
-            if isinstance(msg, Heartbeat):
-                self.step = max(self.step, msg.step)
-            elif isinstance(msg, SyncRequest):
-                seq = self.hub.request(self.line, self.line.applied_version)
-                if seq is None:
-                    await self.mux.send_quietly(Served(msg.id, "trainer_stopped", self.line.applied_version))
-                else:
-                    self._tg.start_soon(self._answer, msg.id, seq, cfg.sync_timeout + cfg.delivery_timeout)
-            elif isinstance(msg, Stopped):
-                self.step = msg.step
-                self._stopped()
-            elif isinstance(msg, Leave):
-                log.info("aiosync: explorer %s leaves: %s", self.name, msg.reason or "done")
-                self.hub.sessions.pop(self.name, None)
-                await self.close("left", timeout=cfg.sync_timeout)
+            if self.closed:
+                if isinstance(msg, Hello):  # the explorer came back on this wire without closing the old session
+                    self.next_hello = msg
+                    break
+                if isinstance(msg, Close):
+                    break
+                log.debug("aiosync: explorer %s: dropped a %s that crossed the end of its session", self.name,
+                          type(msg).__name__)
+                continue
+            if not await self._on_control(msg):
                 break
-            elif isinstance(msg, Close):
-                if not self._closing:  # the explorer ended the session: answer it
-                    self._closing = True
-                    await self.mux.send_quietly(Close(self.line.applied_version, "bye"))
-                    self._end()
-                break
-            else:
-                log.warning("aiosync: explorer %s sent an unexpected %s", self.name, type(msg).__name__)
         if not self.closed and not self._closing:
             self._lose(self.mux.error or EndOfStream("the explorer closed its session"))
+
+    async def _on_control(self, msg: Any) -> bool:
+        """Handle one control message of an open session; ``False`` ends the session."""
+        cfg = self.hub.config
+        if isinstance(msg, Heartbeat):
+            self.step = max(self.step, msg.step)
+        elif isinstance(msg, SyncRequest):
+            seq = self.hub.request(self.line, self.line.applied_version)
+            if seq is None:
+                await self.mux.send_quietly(Served(msg.id, "trainer_stopped", self.line.applied_version))
+            else:
+                self._tg.start_soon(self._answer, msg.id, seq, cfg.sync_timeout + cfg.delivery_timeout)
+        elif isinstance(msg, Stopped):
+            self.step = max(self.step, msg.step)
+            self._stopped()
+        elif isinstance(msg, Leave):
+            log.info("aiosync: explorer %s leaves: %s", self.name, msg.reason or "done")
+            if self.hub.sessions.get(self.name) is self:
+                del self.hub.sessions[self.name]
+            await self.close("left", timeout=cfg.sync_timeout)
+            return False
+        elif isinstance(msg, Close):
+            if not self._closing:  # the explorer ended the session: answer it
+                self._closing = True
+                await self.mux.send_quietly(Close(self.line.applied_version, "bye"))
+                self._end()
+            return False
+        else:
+            log.warning("aiosync: explorer %s sent an unexpected %s; ignored", self.name, type(msg).__name__)
+        return True
 
     async def _answer(self, request_id: int, seq: int, timeout: float) -> None:
         await self.line.wait_served(seq, timeout)
@@ -314,6 +353,19 @@ class ExplorerSession:
         if self._notices_tx is not None:
             self._notices_tx.close()
         self.hub.changed()
+
+    def abandon(self) -> None:
+        """End the session now, without a word to the explorer (``Synchronizer.attach_explorer``
+        was cancelled: the explorer it made is abandoned too). Its name is free at once."""
+        if self.hub.joining.get(self.name) is self:
+            del self.hub.joining[self.name]
+        if self.hub.sessions.get(self.name) is self:
+            del self.hub.sessions[self.name]
+        if not self.closed:
+            self._closing = True
+            self._end()
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
 
     async def close(self, reason: str = "", *, timeout: float = 10.0) -> None:
         """End the session: send Close, wait (bounded, shielded) for the explorer's Close."""

@@ -25,9 +25,13 @@ Syncs happen at the trainer's check points, as with the NCCL method (which a sha
 uses): rank 0 opens a window at ``step_done()``; every shard of the version is built from that
 step, each by its rank, in parallel; rank 0 says :class:`~.protocol.ShardGo` when its check
 point is over, and the ranks train on. A command is only carried out at the step it names (one
-for a step a rank has not reached yet waits until it has), so no version ever mixes two steps. Before its first ``step_done()`` and after its last, a rank
-serves at any time: a synchronous trainer's weights cannot change while rank 0 is not training
-(explorers that join then are bootstrapped from the ranks' live shards).
+for a step a rank has not reached yet waits until it has), so no version ever mixes two steps.
+Before its first ``step_done()`` and after its last, a rank serves at any time; between two
+steps it serves while rank 0 says so (:class:`~.protocol.ShardServe`: ``wait_for_explorers`` or
+an ``attach_explorer`` in rank 0's trainer task, after its check point): a synchronous trainer's
+weights cannot change while rank 0 is not training — the other ranks' next step waits for rank
+0 in its first collective — so explorers that join then are bootstrapped from the ranks' live
+shards of the step just done.
 
 Train in a worker thread (``anyio.to_thread.run_sync``): the event loop of every rank must stay
 free to answer rank 0 while the collectives of a step run.
@@ -35,8 +39,9 @@ free to answer rank 0 while the collectives of a step run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +54,7 @@ from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
 from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
-from .protocol import ShardClose, ShardGo
+from .protocol import ShardClose, ShardGo, ShardServe
 
 log = logging.getLogger("aiosync.sync")
 
@@ -118,9 +123,11 @@ class ShardPeer:
 
     async def step_done(self) -> None:
         """The end of one train step on this rank: carry out rank 0's commands for this step,
-        until rank 0's check point is over (bounded by ``timeout``)."""
+        until rank 0's check point is over (bounded by ``timeout``). A call cancelled before
+        that is resumed by the next one (the rank reached the step; it is not counted twice)."""
         self._check()
-        self.step += 1
+        if self._go >= self.step:  # the last check point is over: this is the next step
+            self.step += 1
         self._serving.set()
         self._notify()  # a command for this step that came early runs now
         with anyio.move_on_after(self.timeout):
@@ -159,7 +166,11 @@ class ShardPeer:
                 self.error, self.closed = exc, True
                 self._notify()
                 return
-            if isinstance(msg, ShardGo):
+            if isinstance(msg, ShardServe):
+                if msg.step == self.step:  # rank 0 serves a joiner between steps: so do we
+                    self._serving.set()
+                    self._notify()
+            elif isinstance(msg, ShardGo):
                 if msg.step >= self.step:
                     self._serving = anyio.Event()  # training again: later commands wait for the next step
                 self._go = max(self._go, msg.step)
@@ -207,6 +218,20 @@ class ShardPeers:
         for link in self.links:
             async with link.lock:
                 await link.send(ShardGo(step))
+
+    @contextlib.asynccontextmanager
+    async def serving(self, step: int) -> AsyncIterator[None]:
+        """Rank 0 serves explorers between steps (after its check point of ``step``): every rank
+        serves its commands meanwhile (:class:`ShardServe`), then trains on (:class:`ShardGo`,
+        sent also when the body fails or is cancelled)."""
+        for link in self.links:
+            async with link.lock:
+                await link.send(ShardServe(step))
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
+                await self.go(step)
 
     async def close(self, reason: str = "") -> None:
         """The synchronizer closes: the ranks stop serving (bounded, quiet)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,14 @@ def _state_tensors(model: Any) -> dict[str, torch.Tensor]:
     if isinstance(model, dict) or hasattr(model, "items"):
         return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
     raise TypeError(f"PolicySlot holds an nn.Module or a mapping of tensors, got {type(model).__name__}")
+
+
+def _current_task() -> Any:
+    """The running task's id (``None`` outside a task)."""
+    try:
+        return anyio.get_current_task().id
+    except Exception:  # noqa: BLE001 - no async backend running here
+        return None
 
 
 @dataclass
@@ -123,6 +132,10 @@ class PolicySlot(Generic[M]):
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
     _apply_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
     _backup: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    #: Leases held, by the task holding them (a nested lease of the same task is granted at once).
+    _holders: dict = field(default_factory=dict, repr=False)
+    #: The thread whose event loop uses this slot (set at the first lease or apply).
+    _thread: int | None = field(default=None, repr=False)
 
     # -- shared state ---------------------------------------------------------------
 
@@ -149,18 +162,48 @@ class PolicySlot(Generic[M]):
         # Writer preference: a waiting apply holds back new leases, so it cannot starve.
         return not self._writing and not self._writers_waiting and self.version is not None
 
+    def _check_thread(self, what: str) -> None:
+        """A slot's waits and wake-ups belong to one event loop: refuse a call from another
+        thread at once (instead of a wait that can never be woken)."""
+        here = threading.get_ident()
+        if self._thread is None:
+            self._thread = here
+        elif here != self._thread:
+            raise RuntimeError(
+                f"PolicySlot.{what}() called from thread {here}, but this slot belongs to the event loop of thread "
+                f"{self._thread}: its waits cannot span two event loops. Lease from that loop (e.g. "
+                "anyio.from_thread.run(...) or asyncio.run_coroutine_threadsafe(..., loop) from the other thread)")
+
+    def _why_waiting(self) -> str:
+        if self.version is None:
+            return "no weights were applied yet"
+        if self._writing:
+            return "an apply held the model (writing) all that time"
+        return (f"an apply waited for {self._readers} lease(s) held by other tasks to end, and new leases wait "
+                "behind it (writer preference): a lease is held longer than this timeout — hold leases for "
+                "shorter, or use explorer.rollout() segments for long rollouts")
+
     # -- readers ----------------------------------------------------------------------
 
-    def _enter_read(self) -> Lease:
+    def _enter_read(self, task: Any) -> Lease:
         self._readers += 1
+        self._holders[task] = self._holders.get(task, 0) + 1
         self.stats.leases += 1
         self.stats.max_concurrent_leases = max(self.stats.max_concurrent_leases, self._readers)
         return Lease(self.model, self.version)
 
-    def _exit_read(self) -> None:
+    def _exit_read(self, task: Any) -> None:
         self._readers -= 1
+        held = self._holders.pop(task, 1) - 1
+        if held:
+            self._holders[task] = held
         if self._readers == 0:
             self._notify()
+
+    def _holds_lease(self, task: Any) -> bool:
+        """Whether ``task`` holds a lease now: a nested lease of it is granted at once, whatever
+        waits (an apply waiting for the outer lease would otherwise wait for its own caller)."""
+        return task is not None and self._holders.get(task, 0) > 0 and self.version is not None
 
     @contextlib.asynccontextmanager
     async def lease(self, timeout: float | None = None) -> AsyncIterator[Lease]:
@@ -171,36 +214,39 @@ class PolicySlot(Generic[M]):
         :class:`aiosync.errors.PeerTimeoutError` after ``timeout`` (default: the slot's).
         """
         timeout = self.timeout if timeout is None else timeout
-        if not self._can_read():
+        self._check_thread("lease")
+        task = _current_task()
+        if not self._can_read() and not self._holds_lease(task):
             started = time.perf_counter()
             try:
                 with anyio.fail_after(timeout):
                     while not self._can_read():
                         await self._changed.wait()
             except TimeoutError as exc:
-                why = "no weights were applied yet" if self.version is None else "an apply held the model"
-                raise PeerTimeoutError(f"lease not granted within {timeout}s: {why}") from exc
+                raise PeerTimeoutError(f"lease not granted within {timeout}s: {self._why_waiting()}") from exc
             if self.version is not None:
                 waited = time.perf_counter() - started
                 self.stats.leases_waited += 1
                 self.stats.max_lease_wait_s = max(self.stats.max_lease_wait_s, waited)
-        lease = self._enter_read()
+        lease = self._enter_read(task)
         try:
             yield lease
         finally:
-            self._exit_read()
+            self._exit_read(task)
 
     @contextlib.contextmanager
     def lease_nowait(self) -> Iterator[Lease]:
         """Like :meth:`lease` without waiting: raises :class:`aiosync.errors.WouldBlock` when an
         apply runs or waits, or no weights exist yet. The lease may be held across awaits."""
-        if not self._can_read():
+        self._check_thread("lease_nowait")
+        task = _current_task()
+        if not self._can_read() and not self._holds_lease(task):
             raise WouldBlock("the policy slot is being written, or holds no weights yet")
-        lease = self._enter_read()
+        lease = self._enter_read(task)
         try:
             yield lease
         finally:
-            self._exit_read()
+            self._exit_read(task)
 
     @contextlib.asynccontextmanager
     async def rollout(self, timeout: float | None = None) -> AsyncIterator["Rollout"]:
@@ -241,6 +287,10 @@ class PolicySlot(Generic[M]):
         """
         timeout = self.timeout if timeout is None else timeout
         backup = self.backup if backup is None else backup
+        self._check_thread("apply")
+        if self._holds_lease(_current_task()):
+            raise RuntimeError("PolicySlot.apply() from a task that holds a lease of this slot: the apply would wait "
+                               "for its own caller's lease; apply outside the lease")
         async with self._apply_lock:
             if backup:
                 # Taken while leases go on reading: this apply is the only writer (the lock),

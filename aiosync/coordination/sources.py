@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,14 @@ from typing import Any
 import anyio
 import torch
 
-from ..aio import finish_cuda_work, run_sync
+from ..aio import bind_cuda, finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
 from ..reclaim import release_off_loop
 from ..syncers.common.state_dicts import copy_shared, is_dtensor
+
+#: Published versions a source remembers (for ``max_ahead``, counted in versions that exist).
+HISTORY = 1024
 
 
 @dataclass(eq=False)
@@ -69,6 +73,16 @@ async def free_off_loop(box: list) -> None:
     await release_off_loop(box)
 
 
+async def close_off_loop(closable: Any, bound: float = 30.0) -> None:
+    """``closable.close()`` in a worker thread (a sender syncer: its snapshot is freed, its
+    builder threads joined): never on the event loop, shielded (a cancelled caller still closes
+    it), and waited for at most ``bound`` seconds — then it finishes in its thread, abandoned."""
+    if closable is None:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(bound):
+        await anyio.to_thread.run_sync(bind_cuda(closable.close), abandon_on_cancel=True)
+
+
 @dataclass(eq=False)
 class Source:
     """Shared state of every source: the newest publish, lines waiting for the trainer, whether
@@ -83,6 +97,9 @@ class Source:
     #: ``callback(event, version)`` for ``published``, ``window_open``, ``window_closed`` and
     #: ``trainer_stopped``. Must not block.
     listeners: list = field(default_factory=list)
+    #: The versions published so far, oldest first (the newest :data:`HISTORY`): "versions
+    #: behind" (``max_ahead``) counts these, the versions that exist.
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
 
     def _notify(self, line: Any = None) -> None:
@@ -114,6 +131,24 @@ class Source:
             self.latest.seq = self.seq
             self._notify()
 
+    def _record(self, version: int) -> None:
+        if not self.history or version > self.history[-1]:
+            self.history.append(version)
+
+    def behind(self, held: int | None) -> int:
+        """How many published versions are newer than ``held`` (``None``: all of them)."""
+        return sum(1 for v in self.history if held is None or v > held)
+
+    def floor(self, max_ahead: int) -> int | None:
+        """The oldest version an explorer may hold when the next version is published, for it to
+        be at most ``max_ahead`` versions behind afterwards: the ``max_ahead``-th newest version
+        published (the newest for ``max_ahead`` 0 and 1: the version about to be published does
+        not exist yet, nobody can hold it first). ``None`` while fewer exist."""
+        k = max(max_ahead, 1)
+        if len(self.history) < k:
+            return None if len(self.history) < HISTORY else self.history[0]
+        return self.history[-k]
+
     def _check_version(self, version: int) -> None:
         if self.latest is not None and version <= self.latest.version:
             raise VersionError(f"published version {version} is not above the last published {self.latest.version}")
@@ -121,6 +156,7 @@ class Source:
     async def _replace(self, new: Published) -> None:
         """Make ``new`` the latest publish; the one it replaces is freed off the loop."""
         old, self.latest = self.latest, new
+        self._record(new.version)
         self._notify()
         if old is not None and old is not new:
             await self._retire(old)
@@ -305,6 +341,7 @@ class DirectSource(Source):
             self._check_version(version)
         self.seq += 1
         self.latest = Published(version, live, self.seq, live=True)
+        self._record(version)
         self.window = Window(self.latest)
         self._notify()
         self._emit("window_open", version)

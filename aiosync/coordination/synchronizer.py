@@ -16,6 +16,7 @@ The layers, and the path of one sync, are described in ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from typing import Any
 import anyio
 import torch
 
+from ..aio import leave_task_group
 from ..checkpoints import CheckpointDir
-from ..errors import ConfigError, DrainError, PeerTimeoutError
+from ..errors import AiosyncError, ConfigError, DrainError, PeerTimeoutError
 from ..syncers.factory import syncer_factory
 from ..syncers.common.state_dicts import collect_param_names_need_sync
 from ..transports.base import Transport
@@ -35,6 +37,7 @@ from .explorer import Explorer
 from .fanout import FanOut, FanOutStatistics
 from .hub import Hub
 from .metrics import LoopLagMonitor, LoopLagStatistics, as_plain, log_metrics
+from .protocol import UNSERVED, Close
 from .session import ExplorerSession, ExplorerStatistics
 from .slots import PolicySlot
 from .sources import CheckpointSource, DirectSource, MemorySource
@@ -106,6 +109,7 @@ class Synchronizer:
         self.explorers: dict[str, ExplorerSession] = self.hub.sessions
         self._transports: list[Transport] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self._closing = False
 
     @property
     def source(self):
@@ -121,10 +125,15 @@ class Synchronizer:
     async def __aenter__(self) -> "Synchronizer":
         if self._tg is not None:
             raise RuntimeError("a Synchronizer can be entered once")
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        if self.loop_lag is not None:
-            await self._tg.start(self.loop_lag.run)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            if self.loop_lag is not None:
+                await tg.start(self.loop_lag.run)
+        except BaseException as exc:
+            await leave_task_group(tg, exc)  # whatever ended the entry
+            raise
+        self._tg = tg
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> bool | None:
@@ -133,6 +142,7 @@ class Synchronizer:
         # deliver raises DrainError once everything is closed.
         drain_error: BaseException | None = None
         drained = False
+        self._closing = True
         try:
             if exc_type is None:
                 try:
@@ -141,12 +151,17 @@ class Synchronizer:
                 except DrainError as err:
                     drain_error = err
         finally:
-            reason = "synchronizer closed" if exc_type is None else f"trainer failed: {exc!r}"
+            # Explorers remember it of their wire: one that joins there again fails at once.
+            reason = f"{UNSERVED} the synchronizer closed" if exc_type is None else \
+                f"{UNSERVED} the synchronizer closed: the trainer failed: {exc!r}"
             await self._close_sessions(reason, timeout=min(self.config.sync_timeout, 30.0) if drained else 5.0)
             if self.hub.shard_peers is not None:
                 await self.hub.shard_peers.close(reason)
             self._shutdown()
             await self._tg.__aexit__(None, None, None)
+            if self.fanout is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.fanout.reap()  # senders nobody follows any more, closed off the loop
         if drain_error is not None:
             raise drain_error
         return None
@@ -271,6 +286,7 @@ class Synchronizer:
                           timeout=cfg.delivery_timeout)
         self.hub.senders = SyncerFactory(shards.make, syncers.config, True, syncers.bootstrap_unless_declared)
         self.hub.shard_peers = peers
+        self.hub.stalled = shards.stalled  # a delivery that times out names the rank it waited for
         self.shards = shards
 
     async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> Explorer:
@@ -288,31 +304,48 @@ class Synchronizer:
         tg = self._require_started()
         if self.trainer is None:
             raise RuntimeError("attach the trainer first: explorers are bootstrapped from its weights")
-        if name in self.explorers or name in self.hub.joining:
+        held = self.explorers.get(name)
+        if (held is not None and not held.closed) or name in self.hub.joining:
+            # A closed session's name is free: a lost explorer is attached again this way (its
+            # old model may be given again; it starts from the newest version).
             raise ValueError(f"an explorer named {name!r} is already attached")
         slot = model if isinstance(model, PolicySlot) else PolicySlot(model, version)
         sync_end, explorer_end = self._transport_factory(name)
         self._transports += [sync_end, explorer_end]
-        session = ExplorerSession(self.hub, sync_end)
-        await tg.start(session.run)
         cfg = self.config
+        session = ExplorerSession(self.hub, sync_end)
         explorer = Explorer(name, slot, explorer_end, weight_syncer=self.hub.syncers,
                             connect_timeout=cfg.sync_timeout + cfg.delivery_timeout)
-        if cfg.method is not SyncMethod.NCCL:
-            await tg.start(explorer.run)
-            return explorer
-        async with anyio.create_task_group() as join_tg:  # serve its first sync from the live tensors
-            join_tg.start_soon(self._serve_joining)
-            try:
+        try:
+            await tg.start(session.run)
+            if cfg.method is not SyncMethod.NCCL:
                 await tg.start(explorer.run)
-            finally:
-                join_tg.cancel_scope.cancel()
-        return explorer
+                return explorer
+            async with self._ranks_serving(), anyio.create_task_group() as join_tg:
+                join_tg.start_soon(self._serve_joining)  # its first sync, from the live tensors
+                try:
+                    await tg.start(explorer.run)
+                finally:
+                    join_tg.cancel_scope.cancel()
+            return explorer
+        except BaseException:
+            # Failed or cancelled: nothing of this attach is left — no session (its name is free
+            # at once), no explorer task, no channel.
+            session.abandon()
+            explorer.abandon()
+            for end in (sync_end, explorer_end):
+                close = getattr(end, "close", None)
+                if close is not None:
+                    close()
+            raise
 
     async def detach_explorer(self, name: str) -> None:
         """End an explorer's session (it is told, bounded by ``sync_timeout``); S12: explorers
         may also leave. Its model keeps the weights it holds."""
-        session = self.explorers.pop(name)
+        session = self.explorers.get(name)
+        if session is None:
+            raise KeyError(f"no explorer named {name!r} is attached (attached: {sorted(self.explorers)})")
+        del self.explorers[name]
         await session.close("detached", timeout=min(self.config.sync_timeout, 30.0))
 
     def serve_remote(self, transport: Transport) -> None:
@@ -330,7 +363,25 @@ class Synchronizer:
         report = transport.use_comm_options(self.hub.syncers.comm_options)
         if report:
             log.info("aiosync: comm_options on a channel: %s", "; ".join(report.values()))
-        tg.start_soon(ExplorerSession(self.hub, transport).run, name="aiosync-session")
+        tg.start_soon(self._serve_wire, transport, name="aiosync-session")
+
+    async def _serve_wire(self, transport: Transport) -> None:
+        """Serve explorers over one wire, one session after another: a session that ended with
+        the wire intact (the explorer left, or was declared lost and answered the Close) is
+        followed by a new one listening for the next Hello — an explorer that comes back on the
+        same wire is attached again. Ends when the wire breaks or the synchronizer closes."""
+        hello, intact = None, True
+        try:
+            while not self._closing:
+                session = ExplorerSession(self.hub, transport)
+                await session.run(hello)
+                if session.mux.error is not None:
+                    intact = False
+                    return  # the wire is gone
+                hello = session.next_hello
+        finally:
+            if intact and self._closing:
+                _leave_unserved(transport)
 
     async def wait_for_explorers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` explorers are attached (in this process or others) and not
@@ -338,18 +389,30 @@ class Synchronizer:
         ``timeout`` seconds.
 
         With NCCL, call it from the trainer's task: a joining explorer's first sync reads the
-        trainer's live tensors, so the handshake for it is served here.
+        trainer's live tensors, so the handshake for it is served here. A sharded trainer's other
+        ranks serve it too meanwhile (they are between steps: their next one waits for this rank).
         """
         def attached() -> list[str]:
             return [name for name, s in self.explorers.items() if s.open]
 
         with anyio.move_on_after(timeout):
-            while len(attached()) < n:
-                await self._serve_joining_once()
-                await self.hub.source.changed(None)  # an explorer joined, or one waits for a window
+            async with self._ranks_serving():
+                while len(attached()) < n:
+                    await self._serve_joining_once()
+                    await self.hub.source.changed(None)  # an explorer joined, or one waits for a window
         if len(attached()) < n:
-            raise PeerTimeoutError(f"{len(attached())} of {n} explorers attached within {timeout}s")
+            why = self.hub.last_refusal
+            raise PeerTimeoutError(f"{len(attached())} of {n} explorers attached within {timeout}s"
+                                   + (f" (the last join refused: {why})" if why else ""))
         return attached()
+
+    def _ranks_serving(self) -> Any:
+        """A sharded trainer's other ranks serve while this rank serves joiners between steps
+        (``ShardPeers.serving``); before the first step and after the last they serve anyway."""
+        trainer, peers = self.trainer, self.hub.shard_peers
+        if peers is None or trainer is None or trainer.step == 0 or trainer.status is RunningStatus.STOPPED:
+            return contextlib.nullcontext()
+        return peers.serving(trainer.step)
 
     async def _serve_joining_once(self) -> None:
         trainer, source = self.trainer, self.hub.source
@@ -451,3 +514,19 @@ class Synchronizer:
 
 async def _close(session: ExplorerSession, reason: str, timeout: float) -> None:
     await session.close(reason, timeout=timeout)
+
+
+def _leave_unserved(wire: Transport) -> None:
+    """The last word on a wire this synchronizer served, where the wire buffers it
+    (``send_nowait``: in-process wires): an explorer that joins on it later reads it at once
+    and fails saying why. Not on point-to-point wires that rendezvous (gloo): a send nobody
+    reads must not be left pending at the process's exit — there an explorer remembers the
+    closing Close of its last session instead."""
+    nowait = getattr(wire, "send_nowait", None)
+    if nowait is None:
+        return
+    try:
+        nowait(Close(None, f"{UNSERVED} the synchronizer that served this wire (serve_remote) has closed; "
+                           "nobody answers on it any more — join a synchronizer that serves it"))
+    except (AiosyncError, OSError) as exc:  # a broken or full wire: its explorer learns it its own way
+        log.debug("aiosync: could not leave the closing word on a wire: %s", exc)

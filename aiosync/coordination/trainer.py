@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import anyio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,8 +127,7 @@ class TrainerHandle:
             raise VersionError(f"trainer: version {version} is not above the last published {self.version}")
         blocking = (not cfg.sync_weight_no_wait if wait is None else wait) or self.syncs == 0
         t0 = time.perf_counter()
-        if cfg.max_ahead is not None and cfg.method is not SyncMethod.NCCL:
-            await self._hold_back(version)
+        lagging = await self._hold_back() if cfg.max_ahead is not None else []
         if blocking:
             busy = await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
             if busy:
@@ -134,14 +135,15 @@ class TrainerHandle:
                                        f"delivery_timeout={cfg.delivery_timeout}s")
         push = cfg.sync_weight_no_wait and cfg.style is SyncStyle.TRAINER_DRIVEN
         if cfg.method is SyncMethod.NCCL:
-            pushed = [] if not push else hub.lines()
+            pushed = hub.lines() if push else lagging
             bound = cfg.delivery_timeout if push else cfg.sync_timeout
             handed = await self._handshake(version, push=pushed, bound=bound,
                                            scheduled=cfg.style is not SyncStyle.EXPLORER_DRIVEN)
         else:
-            pub = await hub.source.publish(self.live(), self.names, version)
-            self.publish_s.add(hub.source.publish_s)
-            self.version = pub.version
+            with anyio.CancelScope(shield=True):  # the point of no return: a cancelled call still publishes whole
+                pub = await hub.source.publish(self.live(), self.names, version)
+                self.publish_s.add(hub.source.publish_s)
+                self.version = pub.version
             handed = [(line, line.request()) for line in hub.lines()] if push or (blocking and self.syncs == 0) else []
         self.version = version
         self.syncs += 1
@@ -156,29 +158,49 @@ class TrainerHandle:
         return {"version": version, "blocking": blocking, "handed_to": [line.name for line, _ in handed],
                 "failed": failed, "sync_s": dt}
 
-    async def _hold_back(self, version: int) -> None:
-        """Admission control (``max_ahead``, MEMORY / CHECKPOINT): publish ``version`` only once
-        every running explorer holds at least ``version - max_ahead``. Lagging explorers are
-        sent the newest weights now (whatever their schedule); the wait is bounded by
-        ``sync_timeout``, then the publish goes ahead (counted in ``hold_back_timeouts``). NCCL
-        needs none of this: each handshake already waits for every running explorer."""
-        hub, cfg = self.hub, self.hub.config
-        floor = version - cfg.max_ahead
-        lagging = [s.line for s in hub.open_sessions() if s.expects_handshakes
-                   and (s.line.applied_version is None or s.line.applied_version < floor)]
-        if not lagging:
-            return
-        t0 = time.perf_counter()
-        for line in lagging:
-            if not line.busy:
-                line.request()
-        late = await hub.wait_applied(lagging, floor, cfg.sync_timeout)
-        self.hold_back_s.add(time.perf_counter() - t0)
+    async def _hold_back(self) -> list[DeliveryLine]:
+        """Admission control (``max_ahead``), every method: publish the next version only once
+        every running explorer holds at least :meth:`Source.floor` — the ``max_ahead``-th newest
+        version that exists (the newest for ``max_ahead`` 0 and 1) — so that it is at most
+        ``max_ahead`` versions behind once the next one is out. An explorer that holds the
+        newest version never costs a wait.
+
+        Lagging explorers are sent the newest weights now (MEMORY, CHECKPOINT: whatever their
+        schedule). With NCCL only a delivery already under way can land before the next window
+        (the live tensors move on): those are waited for, and the other lagging lines are
+        returned — the next window is pushed to them. Explorers waiting for the trainer take
+        this very publish and are not waited for. The wait is bounded by ``sync_timeout``, then
+        the publish goes ahead (counted in ``hold_back_timeouts``)."""
+        hub, cfg, source = self.hub, self.hub.config, self.hub.source
+        floor = source.floor(cfg.max_ahead)
+        if floor is None:
+            return []
+        nccl = cfg.method is SyncMethod.NCCL
+
+        def lagging() -> list[DeliveryLine]:  # joiners count: their first sync may bring an older version
+            running = [s.line for s in hub.open_sessions() if s.expects_handshakes] + hub.joining_lines()
+            return [line for line in running if line not in source.waiting and not line.closed
+                    and (line.applied_version is None or line.applied_version < floor)]
+
+        t0, deadline, waited = time.perf_counter(), time.monotonic() + cfg.sync_timeout, False
+        while True:
+            # NCCL: only a delivery under way can land before the next window; the others get it.
+            late = [line for line in lagging() if not nccl or line.in_flight is not None]
+            if not late or time.monotonic() >= deadline:
+                break
+            waited = True
+            for line in late:
+                if not line.busy:
+                    line.request()
+            await hub.wait_applied(late, floor, deadline - time.monotonic(), until_idle=True)
+        if waited:
+            self.hold_back_s.add(time.perf_counter() - t0)
         if late:
             self.hold_back_timeouts += 1
-            log.warning("aiosync: publishing version %d although %s still hold versions below %d "
-                        "(max_ahead=%d): they did not catch up within sync_timeout=%ss", version,
+            log.warning("aiosync: publishing the next version although %s still hold versions below %d "
+                        "(max_ahead=%d): they did not catch up within sync_timeout=%ss",
                         ", ".join(line.name for line in late), floor, cfg.max_ahead, cfg.sync_timeout)
+        return [line for line in lagging() if line.in_flight is None] if nccl else []
 
     async def _serve_current(self) -> dict[str, Any]:
         """No training since the last publish: answer waiting explorers with that version."""
@@ -195,19 +217,19 @@ class TrainerHandle:
 
     async def serve_joining(self, lines: Iterable[DeliveryLine]) -> list[tuple[DeliveryLine, int]]:
         """NCCL: serve ``lines`` (explorers joining, or behind after the last version) from the
-        live tensors. Call it only where the trainer's weights do not change (the trainer's own
-        task).
-
-        The live tensors hold the last published version only while no train step happened
-        since; after one (``step`` above ``version``) they hold the trainer's current weights,
-        so they are published as the version :meth:`sync_weight` would give them (the step
-        count) — a joiner is never stamped with a version it does not hold."""
-        version, reopen = self.version, True
-        if self.step > self.version:
-            version, reopen = self.step, False
-            self.syncs += 1
-        return await self._handshake(version, push=list(lines), bound=self.hub.config.delivery_timeout,
-                                     scheduled=False, reopen=reopen)
+        live tensors, as the current version — or, when the trainer trained since its last
+        publish (``step`` above ``version``: the live tensors are not that version any more), as
+        a new version, ``step``, published to every explorer like any other. Call it only where
+        the trainer's weights do not change (the trainer's own task)."""
+        cfg = self.hub.config
+        if self.step <= self.version or self.state.status is RunningStatus.STOPPED:
+            return await self._handshake(self.version, push=list(lines), bound=cfg.delivery_timeout,
+                                         scheduled=False, reopen=True)
+        lagging = await self._hold_back() if cfg.max_ahead is not None else []
+        handed = await self._handshake(self.step, push=list(dict.fromkeys([*lines, *lagging])),
+                                       bound=cfg.delivery_timeout, scheduled=False)
+        self.syncs += 1
+        return handed
 
     async def _handshake(self, version: int, *, push: list[DeliveryLine], bound: float, scheduled: bool,
                          reopen: bool = False) -> list[tuple[DeliveryLine, int]]:
@@ -256,15 +278,30 @@ class TrainerHandle:
 
     async def step_done(self) -> bool:
         """Count one train step; sync if the schedule (or a waiting explorer) asks. Returns
-        whether a sync happened."""
+        whether a sync happened. Cancelled before anything was published, the step is not
+        counted: called again, it is the same check point (a scheduled sync is never skipped;
+        a sharded trainer's other ranks wait for it)."""
         self.step += 1
+        published = self.version
         try:
-            if self.need_sync():
+            synced = self.need_sync()
+            if synced:
                 await self.sync_weight()
-                return True
-            return False
-        finally:
-            if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
+        except anyio.get_cancelled_exc_class():
+            if self.version == published:
+                self.step -= 1
+            else:
+                await self._ranks_go()
+            raise
+        except BaseException:
+            await self._ranks_go()
+            raise
+        await self._ranks_go()
+        return synced
+
+    async def _ranks_go(self) -> None:
+        if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
+            with anyio.CancelScope(shield=True):
                 await self.hub.shard_peers.go(self.step)
 
     async def stop(self, *, publish_final: bool = True) -> None:

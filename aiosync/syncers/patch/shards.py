@@ -32,8 +32,9 @@ each shard through views of its full tensors.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +189,9 @@ class ShardLink:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     drops: list = field(default_factory=list)
     abandoned: int | None = None
+    #: What this rank is waited for now (``None``: nothing): a delivery that outlives its bound
+    #: names it — the rank stalled, not the explorer.
+    waiting: str | None = None
 
 
 @dataclass(eq=False)
@@ -215,6 +219,7 @@ class ShardSet:
     builds: int = 0
     build_s: float = 0.0
     _next_id: int = 0
+    _stalled: str | None = None
 
     def __post_init__(self) -> None:
         _, own = shard_layout(self.live(), 0, self.names)
@@ -257,12 +262,32 @@ class ShardSet:
                     break
             link.abandoned = None
         drops, link.drops = link.drops, []
-        for sender in drops:
-            await link.send(ShardDrop(sender))
-        await link.send(cmd)
+        with self._waiting_for(link, f"to take a command for step {self.boundary()}"):
+            for sender in drops:
+                await link.send(ShardDrop(sender))
+            await link.send(cmd)
 
     async def reply(self, link: ShardLink, what: str) -> Any:
-        return await recv_with_timeout(link.recv, self.timeout, f"shard rank {link.rank}'s {what}")
+        with self._waiting_for(link, f"for its {what} of step {self.boundary()}"):
+            return await recv_with_timeout(link.recv, self.timeout, f"shard rank {link.rank}'s {what}")
+
+    @contextlib.contextmanager
+    def _waiting_for(self, link: ShardLink, what: str) -> Iterator[None]:
+        link.waiting = what
+        try:
+            yield
+        except anyio.get_cancelled_exc_class():  # a delivery's bound: its message names this rank
+            self._stalled = f"shard rank {link.rank} (waited {what})"
+            raise
+        finally:
+            link.waiting = None
+
+    def stalled(self) -> str | None:
+        """The ranks waited for now — or, once, the one a cancelled wait was for — named, for a
+        timeout's message; ``None``: none."""
+        waited = [f"shard rank {link.rank} (waited {link.waiting})" for link in self.links if link.waiting is not None]
+        last, self._stalled = self._stalled, None
+        return ", ".join(waited) or last
 
 
 class ShardedPatchSender(WeightSyncer):

@@ -15,13 +15,16 @@ A round, from the sender::
     on a failure:  MulticastFallback(round) + the bodies, to every member   point to point
 
 and from a member (:meth:`Multicast.receive`, called by its transport when a routed header
-arrives): make the group if it has none for these ranks, take part in the broadcasts, and —
-if they fail — wait for the fallback. Every wait is bounded by ``timeout`` (the groups get it
+arrives): make the group if it has none for these ranks and take part in the broadcasts while
+listening for the fallback — whichever comes first (a member that died makes the sender fall
+back as soon as its own broadcast fails; the survivors take the bodies then, not after their
+broadcast's bound). Every wait is bounded by ``timeout`` (the groups get it
 as their gloo timeout too, so no broadcast waits longer; a member waits twice that for a
 fallback, the sender's broadcast bound and the fallback's own); a group that failed once is never
 used again (gloo tears a group down when one of its waits fails), later rounds to those ranks go
 point to point. A member that is gone (its header cannot be sent) makes the round fall back at
-once; a member that never joins costs the others at most ``timeout``. A fallback that reaches a
+once (a group that was not made yet is not waited for); a member that never joins costs the
+others at most ``timeout``. A fallback that reaches a
 member whose broadcast did succeed is dropped by its transport.
 
 Rounds are numbered per sender; a member checks it takes them in order. Only one round runs
@@ -38,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import torch
 import torch.distributed as dist
 
@@ -113,11 +117,14 @@ class Multicast:
         sub = self._subs.get(ranks)
         if sub is None:
             sub = self._subs[ranks] = _Sub(ranks)
-            try:
-                sub.group = await run_sync(_make_group, ranks, self.timeout)
+            try:  # abandoned when its caller gives up (a member is gone: the fallback came first)
+                sub.group = await anyio.to_thread.run_sync(_make_group, ranks, self.timeout, abandon_on_cancel=True)
                 self.stats["groups"] += 1
             except Exception as exc:  # a member never came: the ranks' group cannot be made
                 self._break(sub, exc)
+            except BaseException:
+                self._break(sub, TransportError(f"making the multicast group of ranks {list(ranks)} was abandoned"))
+                raise
         return sub
 
     def _break(self, sub: _Sub, exc: BaseException) -> None:
@@ -179,7 +186,12 @@ class Multicast:
             # Broadcast even when a member's header could not go (it is gone): the others wait in
             # the broadcast already; it fails at once (or when gloo gives up) and falls back.
             failed: BaseException | None = next((e for e in errors if e is not None), None)
-            sub = await self._group(ranks)
+            sub = self._subs.get(ranks)
+            if failed is not None and sub is None:  # a member is gone before these ranks made a group:
+                sub = self._subs[ranks] = _Sub(ranks)  # it never will be; the others take the fallback
+                self._break(sub, failed)
+            else:
+                sub = await self._group(ranks)
             if sub.broken is not None:
                 failed = failed or sub.broken
             else:
@@ -226,28 +238,50 @@ class Multicast:
             raise PayloadError(f"multicast round {n} from rank {src} arrived after round {last} (out of order)")
         self._taken[src] = n
         bodies = [torch.empty(nbytes, dtype=torch.uint8) for nbytes, _ in doc["ext"]]
-        sub = await self._group(ranks)
-        if sub.broken is None:
-            try:
-                await self._broadcast(sub, bodies, src, time.monotonic() + self.timeout)
-                self.stats["broadcasts"] += len(bodies)
-                return bodies
-            except Exception as exc:
-                self._break(sub, exc)
-        return await self._fallback(transport, src, n)
+        got: list = []
+        state = {"listening": True, "broadcast_failed": False}
 
-    async def _fallback(self, transport: Any, src: int, n: int) -> list:
         def wanted(p: Any) -> bool:
             return isinstance(p, MulticastFallback) and p.src == src and p.round == n
 
-        payload = None
-        # The sender gives its broadcast up to ``timeout`` before it falls back (this member's
-        # own broadcast may have failed at once): wait for both.
-        with anyio.move_on_after(2 * self.timeout):
-            payload = await transport.recv_direct(wanted)
-        if payload is not None:
-            self.stats["fallbacks"] += 1
-            return payload.bodies
+        # The broadcast and the sender's fallback are awaited together: when a member dies, the
+        # sender falls back as soon as its own broadcast fails, and this member takes the bodies
+        # then — not after its broadcast's bound (which a survivor would otherwise wait out).
+        async with anyio.create_task_group() as tg:
+            async def broadcast() -> None:
+                sub = await self._group(ranks)
+                if sub.broken is None:
+                    try:
+                        await self._broadcast(sub, bodies, src, time.monotonic() + self.timeout)
+                        self.stats["broadcasts"] += len(bodies)
+                        got.append(bodies)
+                        tg.cancel_scope.cancel()
+                        return
+                    except Exception as exc:
+                        self._break(sub, exc)
+                    except BaseException:  # the fallback came first: the sender gave this group up
+                        self._break(sub, TransportError(f"multicast round {n} from rank {src} fell back while "
+                                                        "this member's broadcast was still waiting"))
+                        raise
+                state["broadcast_failed"] = True
+                if not state["listening"]:
+                    tg.cancel_scope.cancel()
+
+            async def fallback() -> None:
+                # The sender gives its broadcast up to ``timeout`` before it falls back: wait for both.
+                with anyio.move_on_after(2 * self.timeout):
+                    payload = await transport.recv_direct(wanted)
+                state["listening"] = False
+                if payload is not None:
+                    self.stats["fallbacks"] += 1
+                    got.append(payload.bodies)
+                if payload is not None or state["broadcast_failed"]:
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(broadcast)
+            tg.start_soon(fallback)
+        if got:
+            return got[0]
         # Lost (or another message came first, which stays for the next receive): the caller's
         # delivery fails on its own bound and is repaired; the channel stays usable.
         raise PeerTimeoutError(f"multicast round {n} from rank {src}: neither its broadcast nor its fallback arrived")
