@@ -38,15 +38,13 @@ contexts, the checksum of the result): they need each touched tensor whole in on
 from __future__ import annotations
 
 import base64
-import dataclasses
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import AiosyncError, ApplyError, ChecksumError, DriftError, PayloadError
+from ..errors import ApplyError, ChecksumError, DriftError, PayloadError
 from ..syncers.common.bits import as_bits
 from ..syncers.common.integrity import drift_hash, tensor_checksum
 from ..syncers.patch.format import unzigzag_apply
@@ -54,7 +52,6 @@ from ..syncers.patch.handshake import is_int, is_session, receiver_layouts
 from ..syncers.patch.receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch
 from .index_map import IndexMap, Load, probe_map
 
-log = logging.getLogger("aiosync.engines")
 _MASK64 = (1 << 64) - 1
 
 
@@ -344,15 +341,19 @@ class EngineReceiver:
             if tmap.copy is not None:
                 old = tmap.copy
                 undo.append(lambda name=name, old=old: self._reload(name, old))
-            else:
-                saved = [(p, offsets, self.map.flat(p)[offsets].clone())
-                         for p, offsets, _ in self.map.places(name, torch.arange(tmap.numel))]
-                undo.append(lambda saved=saved: [self.map.flat(p).index_put_((o,), v) for p, o, v in saved])
+            else:  # saved run by run: no per-element index arrays
+                saved = [(flat, off, flat[off:off + length].clone()) for flat, off, length in self._runs(name)]
+                undo.append(lambda saved=saved: [flat[off:off + v.numel()].copy_(v) for flat, off, v in saved])
         self.load(iter(tensors.items()))
         for name, t in tensors.items():
             tmap = self.map.tensors[name]
             if tmap.copy is not None:
                 tmap.copy = t.detach().to("cpu", tmap.dtype).clone()
+
+    def _runs(self, name: str) -> list[tuple[torch.Tensor, int, int]]:
+        """``(flat parameter bits, offset, length)`` of every run of ``name``, in every table."""
+        return [(self.map.flat(p), off, length) for table in self.map.tensors[name].tables
+                for p, off, length in zip(table.param.tolist(), table.offset.tolist(), table.length.tolist())]
 
     def _undo(self, undo: list[Callable[[], None]]) -> None:
         with torch.no_grad():
@@ -413,9 +414,4 @@ def _sync_devices(index: IndexMap) -> None:
         torch.cuda.synchronize()
 
 
-def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, AiosyncError) else f"{type(exc).__name__}: {exc}"
-
-
-__all__ = ["EngineReceiver", "Transaction", "encode_payload", "decode_payload", "parse_handshake",
-           dataclasses.__name__ and "describe"]
+__all__ = ["EngineReceiver", "Transaction", "encode_payload", "decode_payload", "parse_handshake"]

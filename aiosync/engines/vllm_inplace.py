@@ -36,6 +36,7 @@ from ..messages import payload_nbytes
 from ..syncers.base import RemoteWrite
 from .layout import checkpoint_layout, tied_aliases
 from .vllm_calls import Late, OfflineCalls, ResumeFailed
+from .vllm_common import EngineStatistics, EngineStats, check_target_args
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -125,8 +126,6 @@ class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
 
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
                  clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0) -> None:
-        from .vllm import EngineStats, check_target_args
-
         vllm_config = check_target_args(engine, "llm", pause_mode, bucket_size, timeout)
         self.engine, self.kind = engine, "llm"
         model_config = vllm_config.model_config
@@ -177,8 +176,6 @@ class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
 
     def statistics(self):
         """A frozen snapshot of the counters and the state (``path="inplace"``)."""
-        from .vllm import EngineStatistics
-
         return EngineStatistics(self.version, self.pause_mode, self.error is not None,
                                 **dataclasses.asdict(self.stats), path=self.path)
 
