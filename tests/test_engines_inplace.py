@@ -214,6 +214,53 @@ async def test_a_write_that_fails_half_way_puts_every_old_value_back(llm, traine
     target.close()
 
 
+def _fail_next_load(worker, after: int) -> None:
+    """The receiver's next load of whole tensors loads ``after`` of them, then raises (once)."""
+    receiver = worker.weight_transfer_engine.receiver
+    load = receiver.load
+
+    def failing(weights) -> None:
+        receiver.load = load
+        items = list(weights)
+        load(iter(items[:after]))
+        raise RuntimeError(f"injected: the loader failed after {after} of {len(items)} tensors")
+
+    receiver.load = failing
+
+
+async def test_a_bucket_sync_whose_load_fails_half_way_puts_every_old_value_back(llm, trainer_model):
+    target = VLLMTarget(llm)
+    opt = make_optimizer(trainer_model)
+    failed = []
+    write_remote = target.write_remote
+
+    async def watched(write):
+        try:
+            return await write_remote(write)
+        except Exception as exc:
+            failed.append((str(exc), on_worker(llm, _parameters), target.version))
+            raise
+
+    target.write_remote = watched
+    with anyio.fail_after(4 * HANG_GUARD):
+        async with Synchronizer({"style": "fixed"}, BUCKET) as sync:
+            trainer = await sync.attach_trainer(trainer_model)
+            explorer = await sync.attach_explorer("vllm", target)
+            before = on_worker(llm, _parameters)
+            on_worker(llm, _fail_next_load, 7)
+            await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 50)
+            await trainer.sync_weight(1)
+            assert await explorer.sync_weight() in (0, 1)
+            (error, after, version), = failed
+            assert "injected: the loader failed after 7 of 21 tensors" in error and "put back" in error
+            assert [n for n in before if not torch.equal(as_bits(before[n]), as_bits(after[n]))] == []
+            assert version == 0
+            await trainer.sync_weight(2)
+            assert await explorer.sync_weight() == 2
+            await assert_engine_is(llm, target, trainer_model, 2)
+    target.close()
+
+
 def test_the_shadow_path_stays_available_on_request(llm):
     target = VLLMTarget(llm, inplace=False)
     assert type(target) is VLLMTarget and target.statistics().path == "shadow"
