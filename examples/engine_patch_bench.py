@@ -13,9 +13,11 @@ Report: ``{"params", "model_bytes", "density", "inplace": {...}, "shadow": {...}
 ``pause_s_mean`` (generation paused per sync, the bootstrap left out), ``bytes_to_engine``
 (bytes handed into the engine per sync: the patch as received in place, the changed layers
 whole through the shadow), ``patch_bytes`` (bytes of the patch per sync, trainer → explorer),
-``extra_rss_bytes`` (the process's resident memory after the first sync less before the target
-was made — after a warm-up run, with the trainer and a plain explorer attached and synced
-once, so that what the trainer's side keeps is not counted), ``held_bytes`` (what the explorer's side keeps between syncs: the index map, or the
+``extra_rss_bytes`` (the growth of the process's resident memory from before the target is
+made to after the first sync, ``rss_delta``, less the same growth in a run without an engine
+target, ``rss_delta_without_target``: trainer, explorer and engine share this process, and
+the trainer's side allocates a new copy per published version; after a warm-up run, with the
+trainer and a plain explorer attached and synced once), ``held_bytes`` (what the explorer's side keeps between syncs: the index map, or the
 host copy), ``bit_exact`` (every engine parameter, bit for bit, equals what the model's own
 ``load_weights`` makes of the trainer's weights).
 """
@@ -82,7 +84,9 @@ class MaskedAdamW:
         self.model.eval()
 
 
-async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: bool, steps: int) -> dict:
+async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: bool | None, steps: int) -> dict:
+    """Patch syncs of ``steps`` AdamW steps to the engine through one path (``inplace=None``:
+    no engine target, the same syncs to the plain explorer only: the memory baseline)."""
     async with Synchronizer({"style": "fixed"}, PATCH) as sync:
         trainer = await sync.attach_trainer(trainer_model)
         # A plain explorer and one sync first: what the trainer's side keeps exists before the baseline.
@@ -92,18 +96,21 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
         await trainer.sync_weight(1)
         assert await reference.sync_weight() == 1
         before = rss_bytes()
-        target = VLLMTarget(llm, inplace=inplace)
-        explorer = await sync.attach_explorer("vllm", target)
-        line = sync.explorers["vllm"].line.stats
-        boot = target.statistics()
-        boot_patch = line.bytes_sent
+        target = None if inplace is None else VLLMTarget(llm, inplace=inplace)
+        explorer = None if target is None else await sync.attach_explorer("vllm", target)
+        if target is not None:
+            line = sync.explorers["vllm"].line.stats
+            boot, boot_patch = target.statistics(), line.bytes_sent
         extra = None
         for v in range(2, steps + 2):
             await anyio.to_thread.run_sync(stepper.step)
             await trainer.sync_weight(v)
-            assert await explorer.sync_weight() == v and await reference.sync_weight() == v
+            assert explorer is None or await explorer.sync_weight() == v
+            assert await reference.sync_weight() == v
             if extra is None:
                 extra = rss_bytes() - before
+        if target is None:
+            return {"rss_delta": extra}
         stats = target.statistics()
         patch_bytes = (line.bytes_sent - boot_patch) / steps
     state = {k: v.detach().clone() for k, v in trainer_model.state_dict().items()}
@@ -115,7 +122,7 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
     target.close()
     return {"pause_s_mean": (stats.total_pause_s - boot.total_pause_s) / steps,
             "bytes_to_engine": (stats.bytes_sent - boot.bytes_sent) / steps, "patch_bytes": patch_bytes,
-            "extra_rss_bytes": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path}
+            "rss_delta": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,8 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
         stepper = MaskedAdamW(trainer_model, args.density, args.vocab)
         report: dict = {"params": params, "model_bytes": 4 * params, "density": args.density}
         anyio.run(run_path, llm, trainer_model, stepper, True, 1)  # warm-up: kernels compiled, optimizer state made
+        baseline = anyio.run(run_path, llm, trainer_model, stepper, None, args.steps)["rss_delta"]
+        report["rss_delta_without_target"] = baseline
         for name, inplace in (("inplace", True), ("shadow", False)):  # the shadow reads the checkpoint
-            report[name] = anyio.run(run_path, llm, trainer_model, stepper, inplace, args.steps)
+            report[name] = result = anyio.run(run_path, llm, trainer_model, stepper, inplace, args.steps)
+            result["extra_rss_bytes"] = result["rss_delta"] - baseline
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ transformers.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import anyio
@@ -53,6 +54,8 @@ def llm(model_dir):
         ops._supports_onednn = onednn  # later engines of this process re-pack as usual
     yield engine
     del engine
+    gc.collect()  # targets the tests left in reference cycles hold the engine: free it now, not during the
+    # next module's engine (vLLM's shutdown tears down the process's model-parallel groups)
     torch.set_num_threads(threads)
 
 
@@ -179,13 +182,13 @@ def _parameters(worker) -> dict:
     return {n: p.detach().clone() for n, p in worker.get_model().named_parameters()}
 
 
-async def test_a_write_that_fails_half_way_puts_every_old_value_back(llm, trainer_model):
-    target = VLLMTarget(llm)
-    opt = make_optimizer(trainer_model)
+def watch_failures(llm, target) -> list:
+    """``(error, engine parameters, target version, greedy outputs)`` of each write of ``target``
+    that fails, taken as the failed write left the engine (before the delivery repairs it)."""
     failed = []
     write_remote = target.write_remote
 
-    async def watched(write):  # the engine as the failed write left it, before the delivery repairs it
+    async def watched(write):
         try:
             return await write_remote(write)
         except Exception as exc:
@@ -193,6 +196,13 @@ async def test_a_write_that_fails_half_way_puts_every_old_value_back(llm, traine
             raise
 
     target.write_remote = watched
+    return failed
+
+
+async def test_a_write_that_fails_half_way_puts_every_old_value_back(llm, trainer_model):
+    target = VLLMTarget(llm)
+    opt = make_optimizer(trainer_model)
+    failed = watch_failures(llm, target)
     with anyio.fail_after(4 * HANG_GUARD):
         async with Synchronizer({"style": "fixed"}, PATCH) as sync:
             trainer = await sync.attach_trainer(trainer_model)
@@ -231,17 +241,7 @@ def _fail_next_load(worker, after: int) -> None:
 async def test_a_bucket_sync_whose_load_fails_half_way_puts_every_old_value_back(llm, trainer_model):
     target = VLLMTarget(llm)
     opt = make_optimizer(trainer_model)
-    failed = []
-    write_remote = target.write_remote
-
-    async def watched(write):
-        try:
-            return await write_remote(write)
-        except Exception as exc:
-            failed.append((str(exc), on_worker(llm, _parameters), target.version))
-            raise
-
-    target.write_remote = watched
+    failed = watch_failures(llm, target)
     with anyio.fail_after(4 * HANG_GUARD):
         async with Synchronizer({"style": "fixed"}, BUCKET) as sync:
             trainer = await sync.attach_trainer(trainer_model)
@@ -251,7 +251,7 @@ async def test_a_bucket_sync_whose_load_fails_half_way_puts_every_old_value_back
             await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 50)
             await trainer.sync_weight(1)
             assert await explorer.sync_weight() in (0, 1)
-            (error, after, version), = failed
+            (error, after, version, _), = failed
             assert "injected: the loader failed after 7 of 21 tensors" in error and "put back" in error
             assert [n for n in before if not torch.equal(as_bits(before[n]), as_bits(after[n]))] == []
             assert version == 0

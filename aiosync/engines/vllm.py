@@ -39,12 +39,11 @@ steps. An ``AsyncLLM`` may also be used directly; its writes pause it through
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,7 @@ from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
 from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
 from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
-from .vllm_common import EngineStatistics, EngineStats, _engine_kind, check_target_args
+from .vllm_common import EngineStats, EngineTarget, _engine_kind, check_target_args
 
 log = logging.getLogger("aiosync.engines")
 #: In an engine's error: it no longer knows its weights (see :mod:`aiosync.engines.vllm_backend`).
@@ -134,7 +133,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Ten
     return out
 
 
-class VLLMTarget(Mapping[str, torch.Tensor]):
+class VLLMTarget(EngineTarget):
     """A vLLM engine (offline ``LLM`` or ``AsyncLLM``) as an explorer's model.
 
     The engine must be started with ``weight_transfer_config={"backend": "aiosync"}`` (vLLM
@@ -192,7 +191,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             elif not torch.equal(shadow[alias], shadow[source]):
                 raise ConfigError(f"VLLMTarget: tensors[{alias!r}] differs from tensors[{source!r}], but the engine "
                                   "ties them (tie_word_embeddings): give the weights the engine was started with")
-        self._shadow = shadow
+        self._shadow = self._tensors = shadow  # the mapping the syncers read and write
         self._engine_keys = [k for k in shadow if k not in self._aliases]
         self._check_layout(model_config.model)
         groups = _groups_of(self._engine_keys)  # vLLM's own partition: one group per decoder layer
@@ -213,17 +212,6 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         calls = OfflineCalls if self.kind == "llm" else AsyncCalls
         self._calls = calls(engine, pause_mode, clear_cache, timeout)
 
-    @property
-    def timeout(self) -> float:
-        """The bound on every engine call (seconds); may be changed between writes."""
-        return self._calls.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        if not seconds > 0:
-            raise ConfigError(f"VLLMTarget: timeout must be positive, got {seconds!r}")
-        self._calls.timeout = seconds
-
     def _check_layout(self, model_dir: str) -> None:
         layout = checkpoint_layout(model_dir)
         if layout is None:
@@ -238,33 +226,9 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                               f"({model_dir}): {problem}. Give the weights the engine was started with, in its "
                               "checkpoint names")
 
-    # -- the mapping the syncers read and write ------------------------------------------
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._shadow[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._shadow)
-
-    def __len__(self) -> int:
-        return len(self._shadow)
-
-    # an engine handle: equal only to itself (Mapping would compare every tensor), hashable
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
     def __repr__(self) -> str:
         return (f"VLLMTarget({type(self.engine).__name__}, {len(self)} tensors, version={self.version}, "
                 f"pause_mode={self.pause_mode!r})")
-
-    def statistics(self) -> EngineStatistics:
-        """A frozen snapshot of the counters and the state."""
-        return EngineStatistics(self.version, self.pause_mode, self.error is not None,
-                                **dataclasses.asdict(self.stats), path=self.path)
-
-    def close(self) -> None:
-        """Stop the engine thread of an offline ``LLM`` (the engine itself stays the caller's)."""
-        self._calls.close()
 
     # -- writes (CommitTarget) -------------------------------------------------------------
 
@@ -476,19 +440,6 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             pass
         finally:
             late.drop()  # answered by now, or given up on
-
-    # -- generation ----------------------------------------------------------------------
-
-    async def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[Any]:
-        """Generate for ``prompts`` (anything vLLM takes: token-id prompts, strings); returns the
-        final ``RequestOutput`` of each, in order. Each completion's ``weight_versions`` names
-        the versions that generated its tokens (:func:`output_versions`). Writes may land
-        between two engine steps (``pause_mode``); under ``explorer.lease()`` none does."""
-        if self.error is not None:
-            raise ApplyError(f"the vLLM engine target gave up after an earlier failure: {self.error}")
-        prompts = list(prompts)
-        self.stats.requests += len(prompts)
-        return await self._calls.generate(prompts, sampling_params)
 
     # -- read-back -----------------------------------------------------------------------
 

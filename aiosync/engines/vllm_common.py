@@ -1,13 +1,17 @@
 """What both vLLM targets share (:class:`~aiosync.engines.vllm.VLLMTarget`, the shadow, and
-:class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget`): their counters and the checks of
-their arguments."""
+:class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget`): their counters, the checks of
+their arguments, and :class:`EngineTarget` (the mapping, generation, statistics)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+import torch
+
+from ..errors import ApplyError, ConfigError
 from .vllm_plugin import BACKEND, BACKENDS
 
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -85,3 +89,55 @@ def check_target_args(engine: Any, kind: str, pause_mode: str, bucket_size: int,
     if bucket_size <= 0 or timeout <= 0:
         raise ConfigError("VLLMTarget: bucket_size and timeout must be positive")
     return vllm_config
+
+
+class EngineTarget(Mapping[str, torch.Tensor]):
+    """What both vLLM targets share: the mapping the syncers see (``self._tensors``: a host
+    copy, or meta tensors; an engine handle, equal only to itself — ``Mapping`` would compare
+    every tensor — and hashable), generation, the bound on engine calls, the statistics."""
+
+    path: str
+    _tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @property
+    def timeout(self) -> float:
+        """The bound on every engine call (seconds); may be changed between writes."""
+        return self._calls.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ConfigError(f"VLLMTarget: timeout must be positive, got {seconds!r}")
+        self._calls.timeout = seconds
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of the counters and the state."""
+        return EngineStatistics(self.version, self.pause_mode, self.error is not None,
+                                **dataclasses.asdict(self.stats), path=self.path)
+
+    def close(self) -> None:
+        """Stop the engine thread of an offline ``LLM`` (the engine itself stays the caller's)."""
+        self._calls.close()
+
+    async def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[Any]:
+        """Generate for ``prompts`` (anything vLLM takes: token-id prompts, strings); returns the
+        final ``RequestOutput`` of each, in order. Each completion's ``weight_versions`` names
+        the versions that generated its tokens (:func:`output_versions`). Writes may land
+        between two engine steps (``pause_mode``); under ``explorer.lease()`` none does."""
+        if self.error is not None:
+            raise ApplyError(f"the vLLM engine target gave up after an earlier failure: {self.error}")
+        prompts = list(prompts)
+        self.stats.requests += len(prompts)
+        return await self._calls.generate(prompts, sampling_params)

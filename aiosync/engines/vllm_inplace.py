@@ -23,9 +23,8 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -36,7 +35,7 @@ from ..messages import payload_nbytes
 from ..syncers.base import RemoteWrite
 from .layout import checkpoint_layout, tied_aliases
 from .vllm_calls import Late, OfflineCalls, ResumeFailed
-from .vllm_common import EngineStatistics, EngineStats, check_target_args
+from .vllm_common import EngineStats, EngineTarget, check_target_args
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -116,7 +115,7 @@ def engine_parameters_readable(engine: Any) -> bool:
     return all(name is None for name in engine.collective_rpc(unreadable_parameter))
 
 
-class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
+class VLLMInPlaceTarget(EngineTarget):
     """A vLLM offline ``LLM`` whose parameters receive aiosync's writes in place (see the
     module docstring). Made by :class:`~aiosync.engines.vllm.VLLMTarget` when the engine's
     parameters are readable; the arguments are that class's (``bucket_size`` unused).
@@ -144,7 +143,7 @@ class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
         meta = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()}
         for alias, source in self._aliases.items():
             meta[alias] = meta[source]  # one tensor: the syncers write it once
-        self._meta = meta
+        self._tensors = meta  # the layout
         self._specs = {k: v for k, v in specs.items() if k not in self._aliases}
         self.pause_mode, self.clear_cache = pause_mode, clear_cache
         self.version: int | None = None
@@ -153,34 +152,8 @@ class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
         self._probed = False
         self._calls = OfflineCalls(engine, pause_mode, clear_cache, timeout)
 
-    @property
-    def timeout(self) -> float:
-        return self._calls.timeout
-
-    # -- the mapping (the layout) ------------------------------------------------------------
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._meta[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._meta)
-
-    def __len__(self) -> int:
-        return len(self._meta)
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
     def __repr__(self) -> str:
         return f"VLLMInPlaceTarget({len(self)} tensors, version={self.version}, pause_mode={self.pause_mode!r})"
-
-    def statistics(self):
-        """A frozen snapshot of the counters and the state (``path="inplace"``)."""
-        return EngineStatistics(self.version, self.pause_mode, self.error is not None,
-                                **dataclasses.asdict(self.stats), path=self.path)
-
-    def close(self) -> None:
-        self._calls.close()
 
     # -- writes (RemoteTarget) -------------------------------------------------------------
 
@@ -246,15 +219,7 @@ class VLLMInPlaceTarget(Mapping[str, torch.Tensor]):
         s.max_pause_s = max(s.max_pause_s, pause_s)
         s.total_pause_s += pause_s
 
-    # -- generation and read-back ----------------------------------------------------------
-
-    async def generate(self, prompts, sampling_params: Any = None) -> list[Any]:
-        """As :meth:`VLLMTarget.generate <aiosync.engines.vllm.VLLMTarget.generate>`."""
-        if self.error is not None:
-            raise ApplyError(f"the vLLM engine target gave up after an earlier failure: {self.error}")
-        prompts = list(prompts)
-        self.stats.requests += len(prompts)
-        return await self._calls.generate(prompts, sampling_params)
+    # -- read-back ----------------------------------------------------------
 
     async def read_engine(self) -> dict[str, torch.Tensor]:
         """Every synced tensor in checkpoint form, read from the engine's own parameters through
