@@ -76,6 +76,8 @@ def stage_write(worker: Any, write: RemoteWrite) -> None:
     read, drift checked; nothing written). Raises what is wrong with it."""
     backend = _backend(worker)
     receiver = backend.receiver
+    if receiver is None:
+        raise ApplyError("this worker has no in-place receiver (probe_receiver never ran here)")
     backend.staged = None
     txn = receiver.begin(write.handshake)
     for bucket in write.tensors:
