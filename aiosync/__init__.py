@@ -55,7 +55,8 @@ _EXPORTS = {
     "ConfigError": "aiosync.errors", "DrainError": "aiosync.errors", "DriftError": "aiosync.errors",
     "EndOfStream": "aiosync.errors", "HandshakeError": "aiosync.errors", "PatchChainError": "aiosync.errors",
     "PayloadError": "aiosync.errors", "PeerTimeoutError": "aiosync.errors",
-    "StateTransitionError": "aiosync.errors", "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
+    "StateMismatchError": "aiosync.errors", "StateTransitionError": "aiosync.errors",
+    "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
     "WouldBlock": "aiosync.errors",
 }
 

@@ -95,6 +95,17 @@ class DriftError(PayloadError):
     refused before anything was written; the link re-bootstraps the receiver."""
 
 
+class StateMismatchError(AiosyncError, RuntimeError):
+    """Whole-state verification: an explorer that reports a version does not hold exactly the
+    trainer's weights of it. ``tensors`` names the keys that differ; the link re-bootstraps the
+    explorer (a repair), and the drain raises :class:`DrainError` for one it cannot repair."""
+
+    def __init__(self, message: str, *, tensors: list[str], version: int | None):
+        super().__init__(message)
+        self.tensors = tensors
+        self.version = version
+
+
 class DrainError(AiosyncError, RuntimeError):
     """Leaving a :class:`aiosync.Synchronizer` could not bring every explorer to the trainer's
     last published version. ``explorers`` maps each explorer that was not served to the

@@ -202,3 +202,23 @@ async def two_writer_synchronizer(path, state, shard_of_writer_1):
                 tg.start_soon(lambda: sync.attach_trainer(state, writer_rank=0, run_id="run"))
                 await run_sync(other.publish, shard_of_writer_1, 0, writer=(1, 2))  # joins writer 0's hold
             yield sync, other
+
+
+@contextlib.contextmanager
+def in_process_engine(start: Callable[[], Any]):
+    """An in-process vLLM engine for one test module, shut down with its distributed state when
+    the module ends. Left to the garbage collector, an engine's workers tear down vLLM's global
+    model-parallel groups whenever it is collected — possibly while the next module's engine
+    runs, which then fails with "pipeline model parallel group is not initialized"."""
+    threads = torch.get_num_threads()
+    engine = start()
+    try:
+        yield engine
+    finally:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+        (core or engine).shutdown()
+        del engine, core
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads(threads)  # vLLM lowers it for serving

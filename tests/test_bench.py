@@ -61,8 +61,14 @@ def test_bench_cli_small_run_writes_the_issue_schema(tmp_path, capsys):
         assert set(m["stages_s"]) == {"build_s", "encode_s", "send_s", "stage_s", "write_s"}
     assert modes["bucket"]["receiver_peak_extra_bytes"] <= 2 * BUCKET
     assert modes["patch"]["receiver_peak_extra_bytes"] < modes["bucket"]["receiver_peak_extra_bytes"]
+    # whole-state verification's cost (issue 35): both digests measured, the default schedule's share
+    v = report["verify"]
+    assert v["default_every"] == 16 and v["reference_s"] > 0 and v["explorer_s"] > 0 and v["optimizer_step_s"] > 0
+    assert v["default_overhead"] == pytest.approx((v["reference_s"] + v["explorer_s"]) / (16 * v["optimizer_step_s"]))
+    assert v["reference_s_per_gb"] == pytest.approx(v["reference_s"] / (report["elements"] * 4 / 1e9), rel=0.05)
     printed = capsys.readouterr().out
     assert "patch-seed" in printed and "bucket" in printed and "bit-exact" in printed and "read bandwidth" in printed
+    assert "whole-state verification" in printed
 
 
 def test_bench_rejects_unknown_modes_and_bad_rounds(capsys):

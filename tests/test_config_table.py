@@ -31,6 +31,7 @@ SYNCHRONIZER = {
     "checkpoint_dir": (True, "", {"checkpoint_dir": "/tmp/x", "method": "memory"}),
     "checkpoint_writers": (2.0, 0, {"checkpoint_writers": 2, "method": "nccl"}),
     "liveness_timeout": (True, -1, None),
+    "verify_state": ("16", -1, None),
 }
 WEIGHT_SYNCER = {
     "type": (1, "patches", None),

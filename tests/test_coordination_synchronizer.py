@@ -565,13 +565,13 @@ async def test_attach_bootstraps_unless_the_explorer_declares_the_trainers_versi
         liar_model = {k: v.to(rollout_model()[k].dtype) for k, v in weights(0).items()}
         liar_model["b"][0] = 123.0  # declares version 0 but holds other weights
         liar = await sync.attach_explorer("liar", liar_model, version=0)
-        assert liar.slot.model["b"][0] == 123.0  # trusted at first...
+        assert liar.version == 0 and holds(liar.slot.model, 0)  # trusted, but verified, and repaired (issue 35)
+        row = sync.metrics()["explorers"]["liar"]
+        assert (row["verify"]["mismatches"], row["verify"]["repaired"]) == (1, 1) and "Mismatch" in row["last_error"]
         train_to(state, 1)
         await trainer.sync_weight(1)  # the first sync reaches all three
         for ex in (stranger, twin):
             assert ex.version == 1 and holds(ex.slot.model, 1)
-        # ...but its drift shows at the first patch: refused (nothing written), then repaired
-        assert liar.version == 0 and "DriftError" in sync.explorers["liar"].line.stats.last_error
         train_to(state, 2)
         await trainer.sync_weight(2)
         for ex in (stranger, twin, liar):

@@ -33,7 +33,7 @@ from aiosync.errors import ConfigError, VersionError  # noqa: E402
 from aiosync.syncers.bucket.format import BUCKET_KEY, VERSION_KEY  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.transports.simulated import simulated_pair  # noqa: E402
-from helpers import HANG_GUARD  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine  # noqa: E402
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
 BUCKET = {"type": "bucket", "bucket": {"bucket_size": 1 << 16}}
@@ -51,13 +51,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    threads = torch.get_num_threads()
-    engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-                      max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
-                      weight_transfer_config={"backend": "aiosync"})
-    yield engine
-    del engine
-    torch.set_num_threads(threads)  # vLLM lowers it for serving
+    with in_process_engine(lambda: vllm.LLM(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+            max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
+            weight_transfer_config={"backend": "aiosync"})) as engine:
+        yield engine
 
 
 @pytest.fixture

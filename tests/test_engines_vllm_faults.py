@@ -24,7 +24,7 @@ from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 from aiosync.engines.vllm_faults import PLAN_ENV, FaultPlan  # noqa: E402
 from aiosync.errors import ConfigError, PayloadError  # noqa: E402
-from helpers import HANG_GUARD, load_example  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine, load_example  # noqa: E402
 
 example = load_example("engine_faults")
 
@@ -77,11 +77,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir, plan):
-    threads = torch.get_num_threads()
-    engine = example.start_engine("LLM", model_dir)
-    yield engine
-    del engine
-    torch.set_num_threads(threads)  # vLLM lowers it for serving
+    with in_process_engine(lambda: example.start_engine("LLM", model_dir)) as engine:
+        yield engine
 
 
 async def test_every_fault_leaves_the_engine_on_its_old_weights_and_takes_the_next_update(llm, model_dir, plan):

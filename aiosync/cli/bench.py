@@ -135,6 +135,43 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return buf.numel() * 4 / best
 
 
+def measure_verify(trainer: "Trainer", receiver_dtype: torch.dtype, repeats: int = 3) -> dict[str, Any]:
+    """Whole-state verification's cost on this model (issue 35), medians of ``repeats``: the
+    trainer-side reference (the fp32 weights digested as the bf16 explorer holds them), the
+    explorer's digest of its bf16 copy, and one AdamW step alone (gradients in place, not timed:
+    a lower bound of a real train step, which adds the forward and backward passes); the
+    overhead of ``synchronizer.verify_state``'s default schedule is both digests over that many
+    such steps."""
+    from ..coordination.config import SynchronizerConfig
+    from ..syncers.common.integrity import state_digests
+
+    state = trainer.state_dict()
+    held = {k: v.to(receiver_dtype) for k, v in state.items()}
+    dtypes = {k: receiver_dtype for k in state}
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    reference_s = timed(lambda: state_digests(state, dtypes=dtypes))
+    explorer_s = timed(lambda: state_digests(held))
+    for p in trainer.params.values():
+        p.grad = torch.randn(p.shape, generator=trainer.gen)
+    step_s = timed(trainer.opt.step)
+    for p in trainer.params.values():
+        p.grad = None
+    every = SynchronizerConfig().verify_state
+    fp32_gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+    held_gb = sum(t.numel() * t.element_size() for t in held.values()) / 1e9
+    return {"reference_s": reference_s, "explorer_s": explorer_s, "optimizer_step_s": step_s,
+            "reference_s_per_gb": reference_s / fp32_gb, "explorer_s_per_gb": explorer_s / held_gb,
+            "default_every": every, "default_overhead": (reference_s + explorer_s) / (every * step_s)}
+
+
 def stage_bytes(mode: str, state: dict[str, torch.Tensor], receiver_dtype: torch.dtype, payload: float) -> tuple[int, int]:
     """The bytes a mode's build and apply must move at least, for one sync.
 
@@ -233,6 +270,8 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     read_bw = await run_sync(measure_read_bandwidth, max(256 << 20, min(1 << 30, 2 * elements * 4)))
 
     await run_sync(warm_up)
+    verify = await run_sync(measure_verify, trainer, torch.bfloat16)
+    state = trainer.state_dict()
     pairs = {}
     task = progress.add_task("init sync (bootstrap) per mode", total=len(modes))
     for name in modes:
@@ -304,7 +343,7 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
     return {
         "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
         "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "read_bandwidth_gbs": read_bw / 1e9,
-        "rounds": rounds, "modes": result_modes, "bucket_size": bucket_size,
+        "rounds": rounds, "modes": result_modes, "bucket_size": bucket_size, "verify": verify,
     }
 
 
@@ -336,6 +375,12 @@ def print_table(report: dict[str, Any]) -> None:
         ratio = by["bucket"]["e2e_1gbit_s"] / by["patch"]["e2e_1gbit_s"]
         console.print(f"over 1 Gbit/s, patch is {ratio:.1f}x faster than bucket end to end; in-process, patch takes "
                       f"{by['patch']['e2e_s'] / by['bucket']['e2e_s']:.2f}x bucket's time")
+    v = report["verify"]
+    console.print(f"whole-state verification: reference {v['reference_s'] * 1e3:.1f} ms "
+                  f"({v['reference_s_per_gb']:.3f} s per GB of fp32 weights, cast to bf16), explorer "
+                  f"{v['explorer_s'] * 1e3:.1f} ms ({v['explorer_s_per_gb']:.3f} s per GB of bf16); every "
+                  f"{v['default_every']} versions (the default) that is {100 * v['default_overhead']:.2f} % of an "
+                  f"AdamW step alone ({v['optimizer_step_s'] * 1e3:.0f} ms)")
     console.print("build bw / apply bw: the fraction of the measured read bandwidth the stage achieved on the bytes "
                   "it must move (build_bytes, apply_bytes in the JSON)")
 

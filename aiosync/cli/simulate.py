@@ -21,6 +21,8 @@ Scenarios:
   are on. Every rollout still checks its weights bit for bit against the version it was
   stamped with; the faults stop with the training, the synchronizer drains, and every explorer
   must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
+* ``verify`` — whole-state verification, methods × styles, late joiners, one bit flipped behind
+  aiosync's back per run: :mod:`aiosync.cli.simulate_verify`.
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -49,6 +51,7 @@ from ..syncers.faults import ApplyFaults, flaky_syncer_factory
 from ..transports.faults import FaultProfile
 from ..transports.simulated import simulated_pair
 from .args import integer, number, output_path
+from .toy import ToyPolicy
 
 
 @dataclass
@@ -105,49 +108,6 @@ SCENARIOS = {
 def is_delivery(msg: Any) -> bool:
     """Messages of the delivery line (payloads, Packets, Acks), which faults may strike."""
     return not isinstance(msg, Control)
-
-
-# ------------------------------------------------------------------ the toy policy
-
-class ToyPolicy:
-    """Weights that are a pure function of the version.
-
-    Each float element ``i`` changes once every ``period`` versions (at its own phase), by a
-    fixed step, so consecutive versions differ in about ``1 / period`` of the elements —
-    sparse, like an RL update. The ``stamp`` buffer holds the version itself.
-    """
-
-    def __init__(self, seed: int = 0, period: int = 20,
-                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        shapes = shapes or {"embed.weight": (512, 128), "block.w1": (256, 256), "block.w2": (256, 256),
-                            "block.bias": (256,), "head.weight": (64, 256)}
-        g = torch.Generator().manual_seed(seed)
-        self.period = period
-        self.base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-        self.phase = {k: torch.randint(1, period + 1, s, generator=g) for k, s in shapes.items()}
-
-    def weights(self, version: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, base in self.base.items():
-            bumps = torch.div(version + self.period - self.phase[k], self.period, rounding_mode="floor")
-            out[k] = (base + bumps.to(torch.float32) * 0.0625).to(dtype)
-        out["stamp"] = torch.tensor(version, dtype=torch.int64)
-        return out
-
-    def write(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Set ``state`` (in place) to the weights of ``version``."""
-        with torch.no_grad():
-            for k, v in self.weights(version).items():
-                state[k].copy_(v)
-
-    def matches(self, state: dict[str, torch.Tensor], version: int, cache: dict) -> bool:
-        """Whether ``state`` holds exactly the weights of ``version`` (in its own dtypes)."""
-        if version not in cache:
-            dtype = next(t.dtype for k, t in state.items() if k != "stamp")
-            cache.clear()
-            cache[version] = self.weights(version, dtype)
-        expected = cache[version]
-        return all(torch.equal(state[k], expected[k]) for k in expected)
 
 
 # ------------------------------------------------------------------ the run
@@ -391,6 +351,10 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None = None, seed: int = 0,
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
+    if scenario == "verify":  # its own runs: methods x styles (aiosync.cli.simulate_verify)
+        from .simulate_verify import simulate_verify
+
+        return simulate_verify(steps, seed, loop)
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
     base = SCENARIOS[scenario]
@@ -416,7 +380,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify"]))
     p.add_argument("--explorers", type=integer(1, 64), default=2)
     p.add_argument("--steps", type=integer(1), default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -444,16 +408,23 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
-                          method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
-                          max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
+        if args.scenario == "verify":  # aiosync.cli.simulate_verify
+            from . import simulate_verify
+
+            report = simulate_verify.from_args(args)
+        else:
+            report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
+                              method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
+                              latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
+                              max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if args.scenario == "verify":
+        return simulate_verify.print_report(report)
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
             "loop_lag_p99_ms", "loop_lag_max_ms"]

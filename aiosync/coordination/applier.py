@@ -12,6 +12,10 @@ Its :meth:`Applier.run` task is the explorer's background apply task. For every
 3. answers with an :class:`~aiosync.coordination.protocol.Ack` (the version now held, or why
    the delivery was refused — a refusal leaves weights and version as they were).
 
+It also answers whole-state checks (:class:`~aiosync.coordination.protocol.Verify`): the model
+is digested in a worker thread, read only, and the tensors that differ from the trainer's are
+named (:mod:`aiosync.coordination.verify`).
+
 A syncer that cannot stage (a custom one without ``supports_staging``) still works: its whole
 ``init_receiver`` / ``apply`` runs inside the exclusive section, with a slot backup for rollback.
 """
@@ -33,8 +37,9 @@ from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.common.state_dicts import module_state_dict
 from ..transports.base import Transport
-from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
+from .protocol import Abort, Ack, Credit, Packet, Part, Reinit, Verify
 from .slots import PolicySlot
+from .verify import answer_verify
 
 log = logging.getLogger("aiosync.sync")
 
@@ -86,6 +91,8 @@ class Applier:
                     ack = self._malformed(exc)
                     if ack is None:
                         continue
+            if ack is None and isinstance(msg, Verify):  # whole-state verification: read only
+                ack = await answer_verify(msg, self.slot.model, self.slot.version, self.name)
             if ack is None:
                 if not isinstance(msg, (Reinit, Packet)):
                     log.debug("aiosync: %s skipped a stray %s", self.name, type(msg).__name__)

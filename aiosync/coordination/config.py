@@ -62,6 +62,10 @@ class SynchronizerConfig:
       trainer, e.g. FSDP2); a version is published once all are in (``checkpoint`` only).
     * ``liveness_timeout``: an explorer that runs but shows no sign of life (no call into its API,
       no lease held) for this long is declared lost: handshakes stop waiting for it.
+    * ``verify_state``: whole-state verification (:mod:`aiosync.coordination.verify`): every
+      explorer's state is checked against a digest of the trainer's version after every
+      bootstrap and repair, at the drain, and every ``verify_state`` versions (``0``: not on a
+      schedule; ``null``: never, not even at the drain).
     """
 
     method: SyncMethod = SyncMethod.MEMORY
@@ -78,6 +82,7 @@ class SynchronizerConfig:
     checkpoint_dir: str | None = None
     checkpoint_writers: int = 1
     liveness_timeout: float = 60.0
+    verify_state: int | None = 16
 
     def __post_init__(self) -> None:
         for name, enum in (("method", SyncMethod), ("style", SyncStyle)):
@@ -143,6 +148,10 @@ class SynchronizerConfig:
         if self.checkpoint_writers > 1 and self.method is not SyncMethod.CHECKPOINT:
             raise ConfigError(f"synchronizer.checkpoint_writers={self.checkpoint_writers} applies to method: "
                               f"checkpoint only (method is {self.method.value}); set checkpoint_writers: 1")
+        if self.verify_state is not None and (not _is_int(self.verify_state) or self.verify_state < 0):
+            raise ConfigError(f"synchronizer.verify_state must be null or an integer >= 0 (verify every explorer's "
+                              f"whole state every this many versions; 0: only after bootstraps and at the drain), got "
+                              f"{self.verify_state!r}")
 
     @classmethod
     def from_any(cls, config: Any = None) -> "SynchronizerConfig":

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import EndOfStream, PayloadError, PeerTimeoutError
+from ..errors import ClosedResourceError, EndOfStream, PayloadError, PeerTimeoutError, StateMismatchError
 from ..messages import payload_nbytes
 from ..syncers.base import WeightSyncer
 from ..syncers.factory import SyncerFactory
@@ -35,6 +35,7 @@ from .metrics import RunningStat, Series
 from .protocol import Abort, Ack, Credit, Packet, Part, Reinit
 from .slots import LatestSlot
 from .sources import Published, Source, own_bytes
+from .verify import StateCheck, VerifyStatistics, held_publish, mismatch_message
 
 log = logging.getLogger("aiosync.sync")
 
@@ -115,6 +116,8 @@ class LineStatistics:
     lease_wait_s: Series
     versions_applied: tuple
     last_error: str | None
+    #: Whole-state verification (``None``: this explorer is not verified).
+    verify: VerifyStatistics | None
 
 
 class DeliveryTimeout(PeerTimeoutError):
@@ -127,6 +130,8 @@ _PHASE_HINTS = {
                      "raise synchronizer.delivery_timeout for a slow link",
     "sending": "the transport did not take the payload (a slow or stalled link); raise "
                "synchronizer.delivery_timeout for a slow link",
+    "verifying": "the explorer did not answer its whole-state verification (digesting its state, or the answer was "
+                 "lost; the next delivery repairs it); raise synchronizer.delivery_timeout for very large models",
     "waiting for the explorer's answer": "the explorer did not confirm the apply: either its answer was lost "
                                          "(the next delivery repairs it) or its write waited for rollouts to "
                                          "release the model; hold leases for shorter than delivery_timeout, or "
@@ -173,6 +178,9 @@ class DeliveryLine:
     _was_busy: bool = field(default=False, repr=False)
     _was_settled: bool = field(default=True, repr=False)
     _changed: anyio.Event = field(default_factory=anyio.Event, repr=False)
+    #: Whole-state verification of this explorer (``None``: not verified).
+    state_check: StateCheck | None = None
+    _serving: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
     # -- state -------------------------------------------------------------------------
 
@@ -249,7 +257,7 @@ class DeliveryLine:
             p.puts, p.coalesced, p.max_pending, s.delivered, s.failed, s.timeouts, s.up_to_date, s.reinits,
             s.repairs, s.shared, s.bytes_sent, s.changed_elements, s.build_s.snapshot(), s.transfer_s.snapshot(),
             s.apply_s.snapshot(), s.write_s.snapshot(), s.lease_wait_s.snapshot(), tuple(s.versions_applied),
-            s.last_error)
+            s.last_error, None if self.state_check is None else self.state_check.statistics())
 
     # -- the task ----------------------------------------------------------------------
 
@@ -264,7 +272,8 @@ class DeliveryLine:
             self.in_flight = req
             self.notify()
             try:
-                self.last_outcome = await self._serve(req)
+                async with self._serving:
+                    self.last_outcome = await self._serve(req)
             except Exception as exc:  # a failed delivery never ends the line: it is reported and repaired
                 self._fail(exc)
             finally:
@@ -304,13 +313,70 @@ class DeliveryLine:
             chain = await self._shared_chain(pub)
             if chain is None:
                 packet, reinit = await self._build(pub)
+            reference = await self._reference(pub, reinit=chain is None and reinit)
         if pub.revoked:  # the trainer's window closed while this build still read its tensors
             raise PayloadError(f"the payload for version {pub.version} was built while the trainer's window closed "
                                "(its build outlived the bound); not sent")
         # The weights were handed off: the trainer may move on (NCCL window released).
-        if chain is not None:
-            return await self._transfer_chain(chain)
-        return await self._transfer(packet, reinit)
+        outcome = await (self._transfer_chain(chain) if chain is not None else self._transfer(packet, reinit))
+        if outcome == "delivered" and reference is not None and self.applied_version == pub.version:
+            await self._check_state(pub.version, reference)
+        return outcome
+
+    # -- whole-state verification (:mod:`aiosync.coordination.verify`) -----------------
+
+    async def _reference(self, pub: Published, *, reinit: bool) -> dict | None:
+        """The digests the explorer must hold after this delivery, when a check is due."""
+        check = self.state_check
+        if check is None or not check.due(pub.version, reinit):
+            return None
+        return await self._bounded("building", pub.version, check.reference, pub)
+
+    async def _check_state(self, version: int, reference: dict) -> None:
+        """Verify the explorer's whole state; a mismatch fails this delivery (StateMismatchError)
+        and asks for a repair at once (once in a row: a repair that does not help waits for the
+        next delivery)."""
+        self._deadline = time.monotonic() + self.delivery_timeout
+        mismatched = await self._bounded("verifying", version, self.state_check.check, self.transport, version,
+                                         reference)
+        if mismatched:
+            self.needs_reinit = True
+            if self.state_check.in_a_row == 1 and not self.closed:
+                self.request()
+            raise StateMismatchError(mismatch_message(self.name, version, mismatched), tensors=mismatched,
+                                     version=version)
+
+    async def verify_held(self, timeout: float) -> bool:
+        """The drain's check: verify that the explorer holds exactly the newest publish, when it
+        reports it (also when it was verified at it before: it may have drifted since). Returns
+        whether it does not (a mismatch, or a check that failed: the line then repairs like
+        after a failed delivery)."""
+        check, acquired = self.state_check, False
+        with anyio.move_on_after(timeout):
+            await self._serving.acquire()  # never beside a delivery of this line
+            acquired = True
+        if not acquired or check is None:  # a delivery outlived the bound: it verifies itself when due
+            return False
+        try:
+            async with held_publish(self.source, self) as pub:
+                if pub is None or self.closed or self.needs_reinit or self.applied_version != pub.version:
+                    return False
+                self._deadline = time.monotonic() + timeout
+                reference = await self._bounded("building", pub.version, check.reference, pub)
+            if reference is not None:
+                await self._check_state(pub.version, reference)
+            return False
+        except StateMismatchError as exc:
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("aiosync: %s", exc)
+            return True
+        except (EndOfStream, ClosedResourceError):  # the explorer is leaving: its session ends, not a drain failure
+            return False
+        except Exception as exc:  # the check itself failed: repaired like a failed delivery
+            self._fail(exc)
+            return True
+        finally:
+            self._serving.release()
 
     async def _shared_chain(self, pub: Published) -> list[Built] | None:
         """Fan-out (S12): the packets built once for every explorer at this one's version, or

@@ -48,6 +48,7 @@ from .protocol import (Attached, Close, Control, Heartbeat, Hello, Leave, Notice
 from .slots import Lease, PolicySlot, Rollout
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod, SyncStyle, explorer_step_syncs
+from .verify import held_dtypes
 
 log = logging.getLogger("aiosync.sync")
 
@@ -248,7 +249,7 @@ class Explorer:
                 await self._own_tg.__aexit__(None, None, None)
 
     async def _join(self, tg: Any) -> None:
-        await self.mux.send(Hello(self.name, self.slot.version))
+        await self.mux.send(Hello(self.name, self.slot.version, dtypes=held_dtypes(self.slot.model)))
         with anyio.move_on_after(self.connect_timeout):
             await self._welcomed.wait()
         if self._welcome is None:

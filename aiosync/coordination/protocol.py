@@ -6,7 +6,8 @@ One wire (a :class:`~aiosync.transports.Transport`) carries two kinds of message
 
 * the **delivery line** (:class:`Packet`, :class:`Part`, :class:`Credit`, :class:`Reinit`,
   :class:`Abort`, :class:`Ack`, and the syncers' own init conversation in between): one
-  version's payloads, applied as a unit;
+  version's payloads, applied as a unit; :class:`Verify` / :class:`Verified`: whole-state
+  verification after a delivery;
 * **control** messages (subclasses of :class:`Control`): joining, requests, notices, liveness,
   leaving.
 
@@ -17,6 +18,8 @@ A session, from the explorer's side::
                                     ◀──        Welcome(config, weight_syncer, versions)
                                     ◀──        Reinit / init conversation / Packet   (first sync)
     Ack                             ──▶
+                                    ◀──        Verify(version, digests)   (after a bootstrap; on schedule)
+    Verified(mismatched)            ──▶
                                     ◀──        Attached(version)
     SyncRequest(id)                 ──▶        (a request for the newest weights)
                                     ◀──        Served(id, outcome, version)
@@ -40,8 +43,10 @@ from ..errors import PayloadError
 from ..messages import message
 
 #: Version of this protocol; a Hello of another version is refused. 3: streamed packets
-#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them.
-PROTOCOL = 3
+#: (:class:`Part`, :class:`Credit`), shared payloads with the session beside them. 4:
+#: whole-state verification (:class:`Verify`, :class:`Verified`, ``Hello.dtypes``), the
+#: handshake's ``shares`` and the bucket manifest's ``__aiosync__.shares``.
+PROTOCOL = 4
 
 _INT64 = 1 << 63
 #: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
@@ -161,6 +166,37 @@ class Ack:
     lease_wait_s: float = 0.0
 
 
+@message
+@dataclass(eq=False)
+@_fields(version="v", digests="d", id="i")
+class Verify:
+    """Session → explorer, after a delivery of ``version`` (or at the drain): whole-state
+    verification. ``digests``: the explorer's key → the digest its tensor must have if it holds
+    exactly the trainer's ``version`` (:func:`aiosync.syncers.common.integrity.state_digest`,
+    in the explorer's dtype). Answered by :class:`Verified` with the same ``id``."""
+
+    version: int
+    digests: dict
+    id: int = 0
+
+
+@message
+@dataclass(eq=False)
+@_fields(id="i", version="v", applied="v?", mismatched="l", error="s?", digest_s="f")
+class Verified:
+    """Explorer → session: the answer to :class:`Verify` ``id``. ``mismatched``: the keys whose
+    tensors do not hold the trainer's values (empty: the whole state matched); ``error``: why
+    nothing was checked (the explorer holds another version, ``applied``). ``digest_s``: the
+    seconds the explorer spent digesting its state."""
+
+    id: int
+    version: int
+    applied: int | None
+    mismatched: list
+    error: str | None = None
+    digest_s: float = 0.0
+
+
 # ----------------------------------------------------------------------------- control
 
 @dataclass(eq=False)
@@ -170,13 +206,15 @@ class Control:
 
 @message
 @dataclass(eq=False)
-@_fields(name="n", version="v?", protocol="i")
+@_fields(name="n", version="v?", protocol="i", dtypes="d?")
 class Hello(Control):
-    """Explorer → session: join as ``name``; ``version`` is what its model holds (or None)."""
+    """Explorer → session: join as ``name``; ``version`` is what its model holds (or None);
+    ``dtypes``: its model's key → dtype name (what whole-state verification digests)."""
 
     name: str
     version: int | None = None
     protocol: int = PROTOCOL
+    dtypes: dict | None = None
 
 
 @message

@@ -33,6 +33,7 @@ from .protocol import (PROTOCOL, Attached, Close, Heartbeat, Hello, Leave, Notic
                        SyncRequest, Welcome)
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod
+from .verify import StateCheck
 
 log = logging.getLogger("aiosync.sync")
 
@@ -166,6 +167,9 @@ class ExplorerSession:
         # A patch syncer without init_sync trusts the explorer to hold the trainer's weights
         # already (the seed's assumption); only an explorer that declares the version gets that trust.
         line.bootstrap_first = hub.syncers.bootstrap_unless_declared and hello.version != trainer.version
+        # Whole-state verification (a sharded trainer's state is not digested on one rank)
+        line.state_check = StateCheck.for_explorer(cfg.verify_state if hub.shard_peers is None else None,
+                                                   hub.syncers.config, trainer.names, hello.dtypes)
         self.line = line
         latest = hub.source.latest
         await self.mux.send_quietly(Welcome(cfg.to_dict(), hub.syncers.to_dict(), trainer.version,
@@ -183,6 +187,9 @@ class ExplorerSession:
         else:
             seq = line.request()
         await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
+        if line.state_check is not None and line.state_check.mismatched and line.request_seq > seq:
+            seq = line.request_seq  # its state did not verify: the repair that asked for at once
+            await line.wait_served(seq, cfg.sync_timeout + cfg.delivery_timeout)
         if line.last_outcome != "delivered" or line.served_seq < seq:
             err = line.stats.last_error or line.last_outcome or "no answer"
             await self._refuse(f"the first sync of explorer {hello.name} failed ({err})")

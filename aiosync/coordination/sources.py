@@ -38,7 +38,7 @@ import torch
 from ..aio import finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
-from ..syncers.common.state_dicts import is_dtensor
+from ..syncers.common.state_dicts import copy_shared, is_dtensor
 
 
 @dataclass(eq=False)
@@ -177,11 +177,13 @@ class Source:
 
 def _copy_synced(live: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """Copies of the synced tensors, made on the trainer's stream (carried here by ``run_sync``)
-    and complete when this returns: builds on any stream then read the published values."""
-    synced = set(names)
-    with torch.no_grad():
-        out = {k: (t.detach().clone() if k in synced else t) for k, t in live.items()}
-    finish_cuda_work(out[k] for k in synced if k in out)
+    and complete when this returns: builds on any stream then read the published values.
+    Tensors that share memory (tied weights) share it in the copy too (one copy of them, and
+    the handshake sees the trainer's tying)."""
+    synced = [k for k in live if k in set(names)]
+    out = dict(live)
+    out.update(copy_shared(live, synced))
+    finish_cuda_work(out[k] for k in synced)
     return out
 
 
@@ -225,7 +227,10 @@ class CheckpointSource(Source):
         self._check_version(version)
         t0 = time.perf_counter()
         writer = None if self.writers == 1 else (self.writer_rank, self.writers)
-        await run_sync(functools.partial(self.directory.publish, {k: live[k] for k in names}, version, writer=writer))
+        # A synced key the trainer no longer has is not written: the delivery then says so (a
+        # HandshakeError naming it, as with the other methods), the trainer goes on.
+        state = {k: live[k] for k in names if k in live}
+        await run_sync(functools.partial(self.directory.publish, state, version, writer=writer))
         if writer is not None:
             await self._wait_complete(version)
         self.publish_s = time.perf_counter() - t0
@@ -267,7 +272,8 @@ class CheckpointSource(Source):
         got = await run_sync(functools.partial(self.directory.read_newest, held, target=live))
         if got is not None:
             version, tensors = got
-            live.update(tensors)
+            # a file holds tied tensors once per name: tie them again as the trainer's are
+            live.update(await run_sync(functools.partial(copy_shared, tensors, list(tensors), like=live, clone=False)))
             seq = self.latest.seq if self.latest is not None and self.latest.version == version else self.seq
             old, self._cache = self._cache, Published(version, live, seq)
             del live, tensors, got

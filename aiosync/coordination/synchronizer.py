@@ -42,6 +42,7 @@ from .staleness import StalenessFilter, StalenessStatistics
 from .states import RunningStatus, StatusCell
 from .styles import SyncMethod
 from .trainer import TrainerHandle, TrainerStatistics
+from .verify import verify_drained
 
 log = logging.getLogger("aiosync.sync")
 
@@ -369,9 +370,12 @@ class Synchronizer:
         published version to every explorer and wait for all applies; returns each explorer's
         applied version. Run on exit of the ``async with`` block.
 
-        Failed deliveries are retried (re-bootstrap) up to three times. Raises
-        :class:`~aiosync.errors.DrainError` naming every explorer that does not hold the last
-        version afterwards (and the version it holds), unless it was detached or lost.
+        Failed deliveries are retried (re-bootstrap) up to three times. Then every explorer's
+        whole state is verified against the last version (a mismatch is repaired and verified
+        again; :mod:`aiosync.coordination.verify`). Raises :class:`~aiosync.errors.DrainError`
+        naming every explorer that does not hold the last version afterwards (and the version it
+        holds; for a state that does not match, the tensors that differ), unless it was detached
+        or lost.
         """
         cfg = self.config
         timeout = cfg.sync_timeout + cfg.delivery_timeout if timeout is None else timeout
@@ -395,6 +399,7 @@ class Synchronizer:
             async with anyio.create_task_group() as tg:
                 for session in list(self.explorers.values()):
                     tg.start_soon(drain_one, session)
+            await verify_drained(self.hub, trainer, timeout)  # every explorer's whole state, always
         self._check_drained()
         return {name: s.version for name, s in self.explorers.items()}
 
@@ -403,7 +408,8 @@ class Synchronizer:
         if latest is None:
             return
         behind = {name: s.version for name, s in self.explorers.items()
-                  if not s.closed and (s.line.behind or s.line.busy)}
+                  if not s.closed and (s.line.behind or s.line.busy
+                                       or (s.line.state_check is not None and s.line.state_check.mismatched))}
         if behind:
             parts = [f"{name} (holds {version}" + (f"; last error: {self.explorers[name].line.stats.last_error}"
                                                    if self.explorers[name].line.stats.last_error else "") + ")"

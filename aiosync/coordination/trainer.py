@@ -195,10 +195,19 @@ class TrainerHandle:
 
     async def serve_joining(self, lines: Iterable[DeliveryLine]) -> list[tuple[DeliveryLine, int]]:
         """NCCL: serve ``lines`` (explorers joining, or behind after the last version) from the
-        live tensors, as the current version. Call it only where the trainer's weights do not
-        change (the trainer's own task)."""
-        return await self._handshake(self.version, push=list(lines), bound=self.hub.config.delivery_timeout,
-                                     scheduled=False, reopen=True)
+        live tensors. Call it only where the trainer's weights do not change (the trainer's own
+        task).
+
+        The live tensors hold the last published version only while no train step happened
+        since; after one (``step`` above ``version``) they hold the trainer's current weights,
+        so they are published as the version :meth:`sync_weight` would give them (the step
+        count) — a joiner is never stamped with a version it does not hold."""
+        version, reopen = self.version, True
+        if self.step > self.version:
+            version, reopen = self.step, False
+            self.syncs += 1
+        return await self._handshake(version, push=list(lines), bound=self.hub.config.delivery_timeout,
+                                     scheduled=False, reopen=reopen)
 
     async def _handshake(self, version: int, *, push: list[DeliveryLine], bound: float, scheduled: bool,
                          reopen: bool = False) -> list[tuple[DeliveryLine, int]]:

@@ -5,7 +5,9 @@ A bucket is a state-dict-like ``dict[str, Tensor]`` the receiver can load direct
 reserved metadata entries: ``__aiosync__.version`` (int64, so versions above 2**32 survive),
 ``__aiosync__.bucket`` (``[index, count]``), in the first bucket ``__aiosync__.manifest``
 (names, shapes and dtypes of every bucket of the sync, so the receiver validates the whole
-sync before it loads anything), ``__aiosync__.session`` (bootstrap buckets) and, with
+sync before it loads anything) and ``__aiosync__.shares`` (the keys whose tensors share memory on the
+sender, :func:`~aiosync.syncers.common.state_dicts.shared_memory`: a receiver that shares memory
+the sender does not cannot hold both), ``__aiosync__.session`` (bootstrap buckets) and, with
 ``verify_checksums``, ``__aiosync__.checksum`` (CRC-32 of the bucket, verified before it is
 loaded). State keys may never start with ``__aiosync__.``; one that does is a clear error,
 never a silent collision.
@@ -13,6 +15,7 @@ never a silent collision.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,7 +24,7 @@ import torch
 from ...dtypes import dtype_from_name, dtype_name
 from ...errors import AiosyncError, ChecksumError, HandshakeError, PayloadError, VersionError
 from ..common.integrity import bucket_checksum, decode_manifest, encode_manifest
-from ..common.state_dicts import is_dtensor, materialize
+from ..common.state_dicts import is_dtensor, materialize, shared_memory
 
 META_PREFIX = "__aiosync__."
 VERSION_KEY = META_PREFIX + "version"
@@ -29,7 +32,8 @@ BUCKET_KEY = META_PREFIX + "bucket"
 MANIFEST_KEY = META_PREFIX + "manifest"
 CHECKSUM_KEY = META_PREFIX + "checksum"
 SESSION_KEY = META_PREFIX + "session"
-META_KEYS = (VERSION_KEY, BUCKET_KEY, MANIFEST_KEY, CHECKSUM_KEY, SESSION_KEY)
+SHARES_KEY = META_PREFIX + "shares"
+META_KEYS = (VERSION_KEY, BUCKET_KEY, MANIFEST_KEY, CHECKSUM_KEY, SESSION_KEY, SHARES_KEY)
 _INT64_MAX = 2**63 - 1
 
 
@@ -159,8 +163,10 @@ def load_into(target: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Te
 
 def seal_bucket(tensors: dict[str, torch.Tensor], *, index: int, count: int, version: int | None = None,
                 manifest: torch.Tensor | None = None, session: int | None = None,
-                checksum: bool = False) -> dict[str, torch.Tensor]:
+                checksum: bool = False, shares: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Add the metadata entries to one bucket (in place) and return it."""
+    if shares is not None:
+        tensors[SHARES_KEY] = shares
     if version is not None:
         tensors[VERSION_KEY] = torch.tensor(version, dtype=torch.int64)
     tensors[BUCKET_KEY] = torch.tensor([index, count], dtype=torch.int64)
@@ -181,6 +187,41 @@ def bucket_manifest(buckets: list[list[tuple[str, torch.Tensor]]], names: Mappin
 
     return encode_manifest([[((names or {}).get(k, k), tuple(t.shape), wire_dtype(t)) for k, t in bucket]
                             for bucket in buckets])
+
+
+def encode_shares(pairs: list[list]) -> torch.Tensor:
+    """:func:`~aiosync.syncers.common.state_dicts.shared_memory` pairs as they travel: UTF-8 JSON."""
+    raw = json.dumps(pairs, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def decode_shares(t: Any) -> set[tuple]:
+    """Invert :func:`encode_shares` into comparable tuples; anything malformed is a :class:`PayloadError`."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        raise PayloadError(f"bucket metadata {SHARES_KEY!r} must be a uint8 tensor of JSON")
+    try:
+        doc = json.loads(t.reshape(-1).cpu().numpy().tobytes().decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PayloadError(f"bucket metadata {SHARES_KEY!r} is not valid JSON: {exc}") from None
+    ok = isinstance(doc, list) and all(
+        isinstance(p, list) and len(p) == 5 and isinstance(p[0], str) and isinstance(p[1], str)
+        and type(p[2]) is int and all(isinstance(st, list) and all(type(x) is int for x in st) for st in p[3:])
+        for p in doc)
+    if not ok:
+        raise PayloadError(f"bucket metadata {SHARES_KEY!r} is malformed (a list of [key, key, offset, strides, "
+                           "strides])")
+    return {(p[0], p[1], p[2], tuple(p[3]), tuple(p[4])) for p in doc}
+
+
+def check_shared_like(target: Mapping[str, torch.Tensor], names: list[str], sender: set[tuple]) -> None:
+    """The receiver shares memory between two of ``names`` only where the sender (its pairs
+    ``sender``) shares it alike, or a :class:`HandshakeError` names them (nothing loaded)."""
+    for a, b, offset, sa, sb in shared_memory(target, names):
+        if (a, b, offset, tuple(sa), tuple(sb)) not in sender:
+            raise HandshakeError(
+                f"the receiver's {a!r} and {b!r} share memory (tied weights, or one views the other) but the sender "
+                "keeps them apart: the receiver cannot hold the sender's values of both. Build the explorer's model "
+                "as the trainer's (untie them there too), or leave one of them out of param_names")
 
 
 def _ints(t: Any, key: str, n: int) -> list[int]:
@@ -270,8 +311,11 @@ class BucketReader:
             if len(manifest) != count:
                 raise PayloadError(f"the manifest lists {len(manifest)} buckets, the first bucket says {count}")
             validate_manifest(self.target, manifest)
+            if SHARES_KEY in payload:
+                check_shared_like(self.target, [name for bucket in manifest for name, _, _ in bucket],
+                                  decode_shares(payload[SHARES_KEY]))
             self.manifest = manifest
-        elif MANIFEST_KEY in payload:
+        elif MANIFEST_KEY in payload or SHARES_KEY in payload:
             raise PayloadError(f"bucket {index} carries a manifest; only the first one does")
         tensors = {k: v for k, v in payload.items() if not k.startswith(META_PREFIX)}
         entries = self.manifest[index]

@@ -22,12 +22,12 @@ from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, Pat
 from ...messages import RecvFn, SendFn, payload_nbytes, unshare
 from ..base import RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
-    iter_named_tensor_buckets, seal_bucket)
+    encode_shares, iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
 from ..common.remote import tensor_plan
 from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
 from ..kernels.warmup import warm_up_kernels
-from ..common.state_dicts import module_state_dict, select_sync_names
+from ..common.state_dicts import module_state_dict, select_sync_names, shared_memory
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
 
@@ -105,6 +105,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         wire = dict(zip(names, self._wire_names(names)))
         buckets = list(iter_named_tensor_buckets(((k, state_dict[k]) for k in names), self.config.bucket_size, self._dtype))
         manifest = bucket_manifest(buckets or [[]], wire, self._dtype)
+        shares = encode_shares([[wire[a], wire[b], *rest] for a, b, *rest in shared_memory(state_dict, names)])
         checksum = self.config.verify_checksums
         timing = {"build_s": 0.0, "send_s": 0.0, "sent": 0}
 
@@ -113,7 +114,8 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
             if not self._is_sender:  # other FSDP ranks only take part in the gathers
                 return None
             return seal_bucket(tensors, index=i, count=len(buckets), version=version,
-                               manifest=manifest if i == 0 else None, checksum=checksum)
+                               manifest=manifest if i == 0 else None, checksum=checksum,
+                               shares=shares if i == 0 else None)
 
         async def produce(tx) -> None:
             async with tx:
@@ -136,7 +138,8 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
                     timing["sent"] += payload_nbytes(payload)
                     del payload
         if not buckets and self._is_sender:
-            await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum))
+            await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum,
+                                   shares=shares))
         self._last_version = version
         self._statistics = SyncStatistics(version=version, bytes=timing["sent"],
                                           elements=sum(state_dict[k].numel() for k in names),

@@ -15,6 +15,9 @@
 * :func:`drift_hash` — the drift check of ``flat`` patches (always on): a 64-bit hash of the
   old bits at a tensor's changed positions, O(changes). The numba kernels compute the same
   value (:func:`aiosync.syncers.kernels.flat.mix64`); see docs/wire-format.md.
+* :func:`state_digest` / :func:`state_digests` — whole-state verification: a 64-bit digest of
+  a tensor's values as a given dtype holds them (any device, any layout), a few GB/s per core
+  off the GIL; per tensor, so a mismatch names the tensors, and additive over parts.
 
 Checksums run on the patch hot path only when ``verify_checksums`` is on.
 """
@@ -24,9 +27,10 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...dtypes import dtype_name
@@ -100,6 +104,35 @@ def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
+def _mix_torch(pos: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser of ``pos × 0x9E3779B97F4A7C15 XOR bits`` on int64 tensors (the
+    torch twin of :func:`aiosync.syncers.kernels.flat.mix64`)."""
+    x = pos * _s64(GOLDEN) ^ bits
+    x = x ^ _lsr(x, 30)
+    x = x * _s64(MIX1)
+    x = x ^ _lsr(x, 27)
+    x = x * _s64(MIX2)
+    return x ^ _lsr(x, 31)
+
+
+def _sum64(x: torch.Tensor) -> int:
+    """``Σ x mod 2**64`` of int64 bits, as a Python int in [0, 2**64)."""
+    # sum the 32-bit halves separately: each sum fits an int64 (no signed overflow in the sum)
+    lo = int((x & 0xFFFFFFFF).sum())
+    hi = int(_lsr(x, 32).sum())
+    return (lo + (hi << 32)) & _MASK64
+
+
+def _mix_int(pos: int, bits: int) -> int:
+    """:func:`_mix_torch` of one pair of Python ints (unsigned 64-bit)."""
+    x = ((pos * GOLDEN) ^ bits) & _MASK64
+    x ^= x >> 30
+    x = (x * MIX1) & _MASK64
+    x ^= x >> 27
+    x = (x * MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
 def drift_hash(positions: torch.Tensor, old_bits: torch.Tensor) -> int:
     """``Σ mix(p, old) mod 2**64`` over a tensor's changes, as a signed int64 (how it travels).
 
@@ -113,16 +146,90 @@ def drift_hash(positions: torch.Tensor, old_bits: torch.Tensor) -> int:
     old = old_bits.reshape(-1).to(torch.int64)
     if width < 8:
         old = old & ((1 << (8 * width)) - 1)
-    x = positions.reshape(-1).to(device=old.device, dtype=torch.int64) * _s64(GOLDEN) ^ old
-    x = x ^ _lsr(x, 30)
-    x = x * _s64(MIX1)
-    x = x ^ _lsr(x, 27)
-    x = x * _s64(MIX2)
-    x = x ^ _lsr(x, 31)
-    # sum the 32-bit halves separately: each sum fits an int64 (no signed overflow in the sum)
-    lo = int((x & 0xFFFFFFFF).sum())
-    hi = int(_lsr(x, 32).sum())
-    return _s64((lo + (hi << 32)) & _MASK64)
+    return _s64(_sum64(_mix_torch(positions.reshape(-1).to(device=old.device, dtype=torch.int64), old)))
+
+
+# ------------------------------------------------------------------ state digests
+#: Elements digested per step (a multiple of 8, so every step starts on a whole 64-bit word).
+DIGEST_CHUNK = 1 << 22
+
+
+def state_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torch.dtype | None = None) -> int:
+    """A 64-bit digest of ``t``'s values as ``dtype`` (default: its own) holds them, as a signed
+    int64 (how it travels).
+
+    Definition: the values' raw bytes in row-major order (little-endian elements; complex as
+    real and imaginary parts) are read as 64-bit little-endian words ``w_i``, the last one
+    zero-padded; ``S = Σ mix(i, w_i) mod 2**64`` with ``mix`` the drift hash's splitmix64
+    finaliser of ``i × 0x9E3779B97F4A7C15 XOR w_i``; the digest is ``mix(nbytes, S)``. Equal
+    bits give equal digests whatever the device or layout; a single flipped bit changes it. ``S``
+    is additive: parts of a tensor (chunks, shards at 8-byte boundaries) digest separately and
+    add up.
+
+    ``dtype``: cast first (floating tensors; the cast the syncers use: torch's, fp32 → bf16 fused
+    on CPU with the same rounding and NaN rule). ``via``: a floating tensor travels in this dtype
+    first (a bucket's ``bucket_dtype``), then is cast to ``dtype``. Conjugate and negative views
+    are read by value. CPU tensors are digested by a numba kernel (several GB/s, GIL released),
+    other devices with torch ops, a chunk at a time (bounded scratch memory).
+    """
+    from ..kernels.digest import digest_fp32_as_bf16
+
+    t = t.detach().resolve_conj().resolve_neg()
+    dtype = t.dtype if dtype is None else dtype
+    chain = [d for d in (via if t.is_floating_point() else None, dtype) if d is not None]
+    flat = t.contiguous().view(-1) if t.dim() else t.reshape(1)
+    width = torch.empty(0, dtype=dtype).element_size()
+    total, n = 0, flat.numel()
+    for a in range(0, n, DIGEST_CHUNK):
+        c, start = flat[a:a + DIGEST_CHUNK], a * width // 8
+        if c.is_cpu and c.dtype == torch.float32 and all(d == torch.bfloat16 for d in chain) and dtype != c.dtype:
+            bits = c.view(torch.int32).numpy().view(np.uint32)
+            bulk = bits.shape[0] - bits.shape[0] % 4  # the last few elements: padded apart (no copy of the chunk)
+            total += int(digest_fp32_as_bf16(bits[:bulk], start))
+            if bulk < bits.shape[0]:
+                tail = np.zeros(4, np.uint32)
+                tail[:bits.shape[0] - bulk] = bits[bulk:]
+                total += int(digest_fp32_as_bf16(tail, start + bulk // 4))  # zeros cast to zero bits: the padding
+            continue
+        for d in chain:
+            if c.dtype != d:
+                c = c.to(d)
+        c = torch.view_as_real(c) if c.is_complex() else c
+        total += _digest_bytes(c.contiguous().reshape(-1).view(torch.uint8), start)
+    return _s64(_mix_int(n * width, total & _MASK64))
+
+
+def _digest_bytes(raw: torch.Tensor, start: int) -> int:
+    """``Σ mix(start + i, w_i)`` (not reduced) over the 64-bit words of a 1-D uint8 tensor, its
+    last word zero-padded: the bulk in place (a copy only when it is not 8-byte aligned), the
+    tail apart."""
+    from ..kernels.digest import digest_words
+
+    def words_sum(words: torch.Tensor, first: int) -> int:
+        if words.is_cpu:
+            return int(digest_words(words.numpy().view(np.uint64), first))
+        pos = torch.arange(first, first + words.numel(), device=words.device, dtype=torch.int64)
+        return _sum64(_mix_torch(pos, words))
+
+    n = raw.numel()
+    bulk, total = n - n % 8, 0
+    if bulk:
+        body = raw[:bulk] if raw.data_ptr() % 8 == 0 else raw[:bulk].clone()
+        total += words_sum(body.view(torch.int64), start)
+    if bulk < n:
+        tail = raw.new_zeros(8)
+        tail[:n - bulk] = raw[bulk:]
+        total += words_sum(tail.view(torch.int64), start + bulk // 8)
+    return total
+
+
+def state_digests(state: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None,
+                  dtypes: Mapping[str, torch.dtype] | None = None,
+                  via: Mapping[str, torch.dtype | None] | None = None) -> dict[str, int]:
+    """:func:`state_digest` of every key of ``keys`` (default: all), each in its ``dtypes[key]``
+    (default: its own) and ``via[key]``. Reads only; run it in a worker thread."""
+    dtypes, via = dtypes or {}, via or {}
+    return {k: state_digest(state[k], dtypes.get(k), via=via.get(k)) for k in (state if keys is None else keys)}
 
 
 # ------------------------------------------------------------------ manifests

@@ -38,6 +38,10 @@ class ReceiverMetadata:
     #: random id of this handshake, echoed by the sender in its answer, its bootstrap buckets
     #: and its patches: a stale payload of another handshake is refused (``None``: not checked).
     session: int | None = None
+    #: pairs of keys whose tensors share memory (tied weights, views of one buffer), as
+    #: :func:`~aiosync.syncers.common.state_dicts.shared_memory` gives them: the sender must
+    #: share them alike, or this receiver cannot hold its values of both.
+    shares: list = field(default_factory=list)
 
 
 @message

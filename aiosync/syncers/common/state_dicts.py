@@ -80,7 +80,8 @@ def materialize(tensor: torch.Tensor) -> torch.Tensor:
         local = tensor.to_local()
         tensor = tensor.full_tensor()
         _GATHERED[0] += (tensor.numel() - local.numel()) * tensor.element_size()
-    return tensor.detach()
+    # a conjugate or negative view is read through its bits by the builders: resolve it (a copy)
+    return tensor.detach().resolve_conj().resolve_neg()
 
 
 def select_sync_names(state_dict: Mapping[str, torch.Tensor], names: Iterable[str] | None) -> list[str]:
@@ -106,11 +107,15 @@ def module_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Ma
 
 def alias_groups(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Map every key whose tensor aliases an earlier key's tensor (same storage, offset, shape,
-    strides and dtype) to that earlier key. Tied weights are written once through the first."""
+    strides and dtype) to that earlier key. Tied weights are written once through the first.
+    A DTensor is compared by its local shard (FSDP2 ties a parameter as one DTensor)."""
     seen: dict[tuple, str] = {}
     out: dict[str, str] = {}
     for key, t in state_dict.items():
-        if not isinstance(t, torch.Tensor) or is_dtensor(t) or t.numel() == 0:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.to_local() if is_dtensor(t) else t
+        if t.numel() == 0:
             continue
         storage = t.untyped_storage()  # a meta tensor has no address: its storage object names it
         where = storage._cdata if t.is_meta else storage.data_ptr()
@@ -119,6 +124,90 @@ def alias_groups(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
             out[key] = seen[ident]
         else:
             seen[ident] = key
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, last)`` bytes of ``t``'s elements in its storage (``None``: no storage to share)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    last = t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    first = t.storage_offset() - sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if s < 0)
+    return first * t.element_size(), (last + 1) * t.element_size()
+
+
+def shared_memory(state_dict: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None) -> list[list]:
+    """Every pair of ``keys`` (default: all) whose tensors share memory — tied weights, a
+    buffer viewing rows of another tensor — as ``[a, b, offset, stride_a, stride_b]`` with
+    ``a < b`` (by name): ``offset`` is ``b``'s storage offset minus ``a``'s, in elements.
+
+    Two state dicts whose tensors are laid out alike give the same pairs, whatever their
+    dtypes: the patch handshake and the bucket manifest compare the sender's pairs with the
+    receiver's (a receiver that shares memory where the sender does not cannot hold the
+    sender's values of both). Tensors of one storage whose byte spans intersect count as
+    sharing (a strided pair that interleaves without touching counts too)."""
+    by_storage: dict[tuple, list[tuple[int, int, str, torch.Tensor]]] = {}
+    for key in (state_dict if keys is None else keys):
+        t = state_dict[key]
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.to_local() if is_dtensor(t) else t
+        span = _span(t)
+        if span is not None:
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((*span, key, t))
+    pairs = []
+    for spans in by_storage.values():
+        if len(spans) < 2:
+            continue
+        spans.sort(key=lambda s: s[0])
+        for i, (_, end, key, t) in enumerate(spans):
+            for first2, _, key2, t2 in spans[i + 1:]:
+                if first2 >= end:
+                    break
+                (a, ta), (b, tb) = sorted([(key, t), (key2, t2)], key=lambda kt: kt[0])
+                pairs.append([a, b, tb.storage_offset() - ta.storage_offset(), list(ta.stride()), list(tb.stride())])
+    return sorted(pairs)
+
+
+def copy_shared(tensors: Mapping[str, torch.Tensor], keys: Iterable[str], *,
+                like: Mapping[str, torch.Tensor] | None = None, clone: bool = True) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors[k]`` for ``keys`` that share memory as ``like[k]`` do (default:
+    ``tensors`` itself): tensors that overlap there (tied weights, views of one buffer) become
+    views of one new buffer, so a copy of a trainer's state keeps its tying (what the patch
+    handshake and the bucket manifest compare, :func:`shared_memory`). ``clone=False`` keeps
+    the tensors that share nothing as they are (already private copies, e.g. loaded from a
+    file). Every other tensor is cloned."""
+    keys = list(keys)
+    like = tensors if like is None else like
+    parent = {k: k for k in keys}
+
+    def root(k: str) -> str:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for a, b, *_ in shared_memory(like, [k for k in keys if k in like]):
+        parent[root(a)] = root(b)
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(root(k), []).append(k)
+    out = {}
+    with torch.no_grad():
+        for members in groups.values():
+            views = [like[k] for k in members] if len(members) > 1 else []
+            if views and len({(v.dtype, v.device) for v in views}) == 1 and not any(map(is_dtensor, views)):
+                base = min(v.storage_offset() - sum((n - 1) * abs(s) for n, s in zip(v.shape, v.stride()) if s < 0)
+                           for v in views)
+                end = max(_span(v)[1] // v.element_size() for v in views)
+                buf = torch.empty(end - base, dtype=views[0].dtype, device=views[0].device)
+                for k, v in zip(members, views):
+                    view = buf.as_strided(v.shape, v.stride(), v.storage_offset() - base)
+                    view.copy_(tensors[k])
+                    out[k] = view
+            else:
+                for k in members:
+                    out[k] = tensors[k].detach().clone() if clone else tensors[k]
     return out
 
 

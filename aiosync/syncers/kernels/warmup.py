@@ -25,11 +25,23 @@ def warm_up(widths: tuple[int, ...] = (1, 2, 4, 8), ctx: bool = True) -> None:
     GIL even there (about 0.1 s of loop stall once per process); call this before starting the
     event loop to keep that off it too. Idempotent and cheap once done.
     """
+    _warm_digest()
     for w in widths:
         _warm_base(w)
         if ctx and w not in _WARM_CTX:
             _warm_ctx(w)
             _WARM_CTX.add(w)
+
+
+def _warm_digest() -> None:
+    """The state digest's kernels (whole-state verification)."""
+    if 0 in _WARM:
+        return
+    from .digest import digest_fp32_as_bf16, digest_words
+
+    digest_words(np.zeros(4, np.uint64), 0)
+    digest_fp32_as_bf16(np.zeros(4, np.uint32), 0)
+    _WARM.add(0)
 
 
 def _warm_base(w: int) -> None:

@@ -20,7 +20,7 @@ from ...errors import HandshakeError
 from ..common.indexing import as_coo_2d_view, coo_2d_shape
 from .format import TensorLayout
 from ..common.payloads import ReceiverMetadata, SenderHello
-from ..common.state_dicts import alias_groups
+from ..common.state_dicts import alias_groups, shared_memory
 
 
 def is_int(x: Any) -> bool:
@@ -53,7 +53,7 @@ def receiver_metadata(state_dict: Mapping[str, torch.Tensor], session: int) -> R
     return ReceiverMetadata(
         ordered_keys=keys, original_shapes=[tuple(state_dict[k].shape) for k in keys],
         dtypes=[dtype_name(state_dict[k].dtype) for k in keys], aliases=alias_groups(state_dict),
-        viewable=viewable, session=session,
+        viewable=viewable, session=session, shares=shared_memory(state_dict),
     )
 
 
@@ -78,6 +78,11 @@ def check_metadata(meta: ReceiverMetadata) -> None:
     if not isinstance(viewable, (list, tuple)) or (viewable and len(viewable) != len(keys)) or not all(
             isinstance(v, bool) for v in viewable):
         raise HandshakeError("receiver metadata is malformed: viewable must be empty or one bool per key")
+    shares = meta.shares
+    if not isinstance(shares, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 5 and p[0] in keys and p[1] in keys and is_int(p[2])
+            and all(isinstance(st, (list, tuple)) and all(is_int(x) for x in st) for st in p[3:]) for p in shares):
+        raise HandshakeError("receiver metadata is malformed: shares must list [key, key, offset, strides, strides]")
     if meta.session is not None and not is_session(meta.session):
         raise HandshakeError(f"receiver metadata has a malformed session {str(meta.session)[:40]!r} (an int in "
                              "[0, 2**63) or null)")
@@ -128,6 +133,14 @@ def plan_slots(state_dict: Mapping[str, torch.Tensor], names: list[str], boot: l
             raise HandshakeError(
                 f"receiver tensor {key!r} of shape {tuple(meta.original_shapes[ordinal[key]])} cannot be viewed "
                 "as 2-D without a copy, so patch mode cannot write it; make it contiguous or use bucket mode")
+    for key in names:
+        width = recv_dtypes[key].itemsize
+        if width not in (1, 2, 4, 8):
+            raise HandshakeError(
+                f"patch mode cannot patch {key!r}: its {dtype_name(recv_dtypes[key])} elements are {width} bytes wide "
+                "(patches carry elements of 1, 2, 4 or 8 bytes); sync a real view of it (torch.view_as_real), or use "
+                "bucket mode")
+    check_shares(state_dict, list(dict.fromkeys(names + boot)), meta)
     canonical = {k: meta.aliases.get(k, k) for k in names}
     seen: set[str] = set()
     slots = []
@@ -137,6 +150,44 @@ def plan_slots(state_dict: Mapping[str, torch.Tensor], names: list[str], boot: l
         seen.add(canonical[key])
         slots.append(key)
     return slots, recv_dtypes
+
+
+def _share_key(pair) -> tuple:
+    return (pair[0], pair[1], pair[2], tuple(pair[3]), tuple(pair[4]))
+
+
+def check_shares(state_dict: Mapping[str, torch.Tensor], keys: list[str], meta: ReceiverMetadata) -> None:
+    """The receiver shares memory between two of ``keys`` (tied weights, a buffer viewing rows of
+    another tensor) only where the sender shares it alike: otherwise writing one key writes the
+    other, and the receiver cannot hold the sender's values of both (:class:`HandshakeError`
+    naming them). Sharing on the sender's side only is fine: the receiver holds equal values."""
+    wanted = set(keys)
+    sender = {_share_key(p) for p in shared_memory(state_dict, keys)}
+    for pair in meta.shares:
+        if pair[0] in wanted and pair[1] in wanted and _share_key(pair) not in sender:
+            raise HandshakeError(
+                f"the receiver's {pair[0]!r} and {pair[1]!r} share memory (tied weights, or one views the other) but "
+                "the sender keeps them apart: the receiver cannot hold the sender's values of both. Build the "
+                "explorer's model as the trainer's (untie them there too), or leave one of them out of param_names")
+
+
+def check_planned(state_dict: Mapping[str, torch.Tensor], keys: list[str], planned: Mapping[str, tuple]) -> None:
+    """Every sync: the sender's ``keys`` still have the shape and dtype the handshake planned
+    them with (``planned``: key -> (shape, dtype)). A patch is built against that plan (the
+    receiver's 2-D views, the snapshot's element widths); a tensor replaced by one of another
+    shape or dtype would be diffed and written reinterpreted. :class:`HandshakeError` naming
+    the key otherwise: nothing is built, and the next delivery re-handshakes (which refuses a
+    receiver that cannot hold the new structure)."""
+    for key in keys:
+        if key not in state_dict:
+            raise HandshakeError(f"state dict passed to sync lacks synced key {key!r}")
+        t = state_dict[key]
+        shape, dtype = planned.get(key, (tuple(t.shape), t.dtype))
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise HandshakeError(
+                f"synced key {key!r} changed since the handshake: it was {shape} {dtype}, it is now {tuple(t.shape)} "
+                f"{t.dtype}; nothing was built (the next delivery re-handshakes, and refuses a receiver that cannot "
+                "hold the new structure)")
 
 
 def sender_layouts(slots: list[str], meta: ReceiverMetadata, dtypes: Mapping[str, torch.dtype]) -> list[TensorLayout]:

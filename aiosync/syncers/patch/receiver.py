@@ -36,6 +36,7 @@ from ..common.payloads import (CompressedWeightPatch, EmptyWeightPatch, Receiver
 from .shard_layout import shard_metadata, shard_views, tiling_problem
 from ..common.bits import np_bits, as_bits
 from ..common.staging import Journal
+from ..common.state_dicts import shared_memory
 
 _MASK64 = (1 << 64) - 1
 
@@ -243,6 +244,13 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
     for d, key in zip(prepared.decoded, prepared.keys):
         t = check_target(target, key, layouts[d.ordinal])
         jobs.append(_Job(key, d, t, _fast(d, t), layouts[d.ordinal]))
+    # Tensors that share memory (a buffer viewing rows of another tensor): the differences of
+    # both are decoded against the old values, all gathered before anything is written (the
+    # torch path), then written one after the other — both write the same new values where they
+    # overlap. In place, the second would decode against what the first wrote.
+    shared = {int(i) for a, b, *_ in shared_memory({str(i): j.t for i, j in enumerate(jobs)}) for i in (a, b)}
+    for i in shared:
+        jobs[i].fast = False
     hashes = prepared.old_hashes
     for i, job in enumerate(jobs):  # torch path: gather old bits and check them before any write
         if not job.fast:
@@ -251,7 +259,7 @@ def write_patch(target: Mapping[str, torch.Tensor], prepared: PreparedPatch, lay
                 _check_drift(job, drift_hash(job.d.positions, job.old), hashes[i])
     try:
         with torch.no_grad():
-            if after_each is not None or len(jobs) < 2:
+            if after_each is not None or len(jobs) < 2 or shared:
                 for i, job in enumerate(jobs):
                     _write_one(job)
                     if after_each is not None:

@@ -102,7 +102,8 @@ def shard_metadata(meta: ReceiverMetadata, rows: Mapping[str, list | None]) -> R
               for i, k in zip(idx, keys)]
     aliases = {a: b for a, b in meta.aliases.items() if a in rows and b in rows and rows[a] == rows[b]}
     viewable = [meta.viewable[i] for i in idx] if meta.viewable else []
-    return ReceiverMetadata(keys, shapes, [meta.dtypes[i] for i in idx], aliases, viewable, meta.session)
+    shares = [p for p in meta.shares if p[0] in rows and p[1] in rows and rows[p[0]] == rows[p[1]]]
+    return ReceiverMetadata(keys, shapes, [meta.dtypes[i] for i in idx], aliases, viewable, meta.session, shares)
 
 
 def shard_views(state: Mapping[str, torch.Tensor], rows: Mapping[str, list | None]) -> dict[str, torch.Tensor]:

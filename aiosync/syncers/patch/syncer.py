@@ -43,8 +43,8 @@ from ..config import PatchConfig
 from ..common.integrity import checksum_tensor, new_session, tensor_checksum
 from .format import TensorLayout, assemble_flat_patch, encode_patch
 from .forward import ForwardedPatch, forward_patch, handshake_of
-from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
-    receiver_metadata, sender_layouts)
+from .handshake import (check_hello, check_metadata, check_planned, is_int, metadata_dtype, plan_slots,
+    receiver_layouts, receiver_metadata, sender_layouts)
 from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch, receiver_shards,
     write_patch)
 from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
@@ -126,6 +126,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._last_version: int | None = None
         self._chain_broken: str | None = None  # why the snapshot is out of step (a failed build)
         self._bootstrap_keys: list[str] = []
+        #: key -> (shape, dtype) of every slot as the handshake planned it: a sync re-checks them
+        self._planned: dict[str, tuple] = {}
         self._session: int | None = None  # the handshake's id, as the sender echoes it
         # receiver state: changes only when a staged write succeeds
         self._rx = ReceiverState()
@@ -202,6 +204,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         if boot:
             await self._bootstrap(state_dict, boot, meta, send)
         self._slot_keys = slots
+        self._planned = {k: (tuple(state_dict[k].shape), state_dict[k].dtype) for k in slots}
         self._layouts = sender_layouts(slots, meta, dtypes)
         self._elem_sizes = {lay.ordinal: lay.elem_size for lay in self._layouts}
         snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel, **self._chunking(state_dict, slots))
@@ -233,9 +236,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         try:
             check_metadata(meta)
             same = (list(meta.ordered_keys), [tuple(x) for x in meta.original_shapes], list(meta.dtypes), meta.aliases,
-                    list(meta.viewable))
+                    list(meta.viewable), sorted(map(list, meta.shares)))
             if same != (list(first.ordered_keys), [tuple(x) for x in first.original_shapes], list(first.dtypes),
-                        first.aliases, list(first.viewable)):
+                        first.aliases, list(first.viewable), sorted(map(list, first.shares))):
                 raise HandshakeError("this receiver's model differs from the one the sender was set up for (keys, "
                                      "shapes or dtypes); it needs a sender of its own")
         except HandshakeError as exc:
@@ -306,9 +309,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return
         if self._snapshot is None:
             raise RuntimeError("call init_sender before sync")
-        missing = [k for k in self._slot_keys if k not in state_dict]
-        if missing:
-            raise HandshakeError(f"state dict passed to sync lacks synced key {missing[0]!r}")
+        check_planned(state_dict, self._slot_keys, self._planned)
         t0 = time.perf_counter()
         base = self._last_version
         built: list = []
@@ -340,7 +341,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
     def _build(self, state_dict):
         snap = self._snapshot
         if not any(is_dtensor(state_dict[k]) for k in self._slot_keys):
-            tensors = [state_dict[k].detach() for k in self._slot_keys]
+            tensors = [materialize(state_dict[k]) for k in self._slot_keys]  # plain: detached, views resolved
             if self._fused_cpu(tensors):
                 return snap.diff_flat(tensors) if self.config.encoding == "flat" else self._ctx.build(tensors)
             return self._as_ctx(snap.diff(tensors, self._transport_device))
