@@ -10,7 +10,6 @@ transformers.
 
 from __future__ import annotations
 
-import gc
 import os
 
 import anyio
@@ -27,7 +26,7 @@ from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.syncers.common.bits import as_bits  # noqa: E402
-from helpers import HANG_GUARD  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine  # noqa: E402
 from test_engines_vllm import BUCKET, PATCH, PROMPTS, TOKENS, adamw_steps, engine_greedy, make_optimizer  # noqa: E402
 
 # vLLM pads the 32-token vocabulary of the tiny Llama to 64 rows: the embeddings are padded.
@@ -40,23 +39,24 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
+def start_plain_engine(model_dir):
+    """An engine whose linear layers stay plain tensors (oneDNN re-packing off while it loads;
+    the flag is read then only, and restored for later engines of this process)."""
     import vllm._custom_ops as ops
 
-    threads, onednn = torch.get_num_threads(), ops._supports_onednn
-    ops._supports_onednn = False  # plain linear weights (read at load time only)
+    onednn, ops._supports_onednn = ops._supports_onednn, False
     try:
-        engine = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                          seed=0, max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
-                          weight_transfer_config={"backend": "aiosync"})
+        return vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+                        max_model_len=64, max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
+                        weight_transfer_config={"backend": "aiosync"})
     finally:
-        ops._supports_onednn = onednn  # later engines of this process re-pack as usual
-    yield engine
-    del engine
-    gc.collect()  # targets the tests left in reference cycles hold the engine: free it now, not during the
-    # next module's engine (vLLM's shutdown tears down the process's model-parallel groups)
-    torch.set_num_threads(threads)
+        ops._supports_onednn = onednn
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with in_process_engine(lambda: start_plain_engine(model_dir)) as engine:
+        yield engine
 
 
 @pytest.fixture
@@ -148,6 +148,8 @@ async def test_patch_syncs_land_in_place_bit_exact_and_equal_a_bucket_sync(llm, 
             await assert_engine_is(llm, target, trainer_model, 3, outputs=False)
             line = sync.explorers["vllm"].line.stats
             patch_bytes = line.bytes_sent
+            verify = sync.metrics()["explorers"]["vllm"]["verify"]  # digested in the engine, through the map
+            assert verify["checks"] >= 1 and verify["mismatches"] == 0 and verify["verified_version"] is not None
     stats = target.statistics()
     assert stats.writes == 4 and stats.refused == 0 and not stats.broken
     # the patches crossed into the engine as they came, never whole layers

@@ -105,6 +105,15 @@ def read_checkpoint(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: receiver.map.whole(receiver.aliases.get(n, n)) for n in names}
 
 
+def digest_checkpoint(worker: Any, names: list[str]) -> dict[str, int]:
+    """``collective_rpc`` helper: the state digest of each tensor ``names`` in checkpoint form,
+    read from the engine's parameters through the index map, one tensor at a time."""
+    from ..syncers.common.integrity import state_digest
+
+    receiver = _backend(worker).receiver
+    return {n: state_digest(receiver.map.whole(receiver.aliases.get(n, n))) for n in names}
+
+
 def receiver_statistics(worker: Any) -> dict:
     """``collective_rpc`` helper: the worker's receiver's statistics."""
     return _backend(worker).receiver.statistics()
@@ -232,6 +241,14 @@ class VLLMInPlaceTarget(EngineTarget):
         async with self._calls.lock:
             per_worker = await self._calls.call(self.engine.collective_rpc, read_checkpoint, args=(list(self._specs),))
         return per_worker[0]
+
+    async def state_digests(self, keys: list[str]) -> dict[str, int]:
+        """The digest of each tensor ``keys`` as the engine's parameters hold it (whole-state
+        verification; :class:`~aiosync.syncers.base.RemoteTarget`), computed in the engine,
+        between two steps."""
+        if not self._probed:
+            raise ApplyError("the engine has not been written yet: there is no map to read its weights through")
+        return (await self._calls.call(self.engine.collective_rpc, digest_checkpoint, args=(list(keys),)))[0]
 
     async def engine_statistics(self) -> dict:
         """The engine worker's receiver: the map (tensors, runs, bytes, fallback tensors, the

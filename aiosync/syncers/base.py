@@ -157,10 +157,15 @@ class RemoteTarget(Protocol):
     staged write (:class:`StagedWrite`) awaits ``write_remote(write)`` (a :class:`RemoteWrite`)
     instead of writing: make the weights hold what ``write`` brings, all or nothing, and return
     the version they now hold (``write.version``). If it raises, nothing was written, and the
-    receiver keeps its version. Staging syncers (patch, bucket) call it.
+    receiver keeps its version. Staging syncers (patch, bucket) call it. Whole-state
+    verification awaits ``state_digests(keys)``: the
+    :func:`~aiosync.syncers.common.integrity.state_digest` of each key's tensor as the weights
+    hold it, computed where they live.
     """
 
     async def write_remote(self, write: RemoteWrite) -> int | None: ...
+
+    async def state_digests(self, keys: Sequence[str]) -> dict[str, int]: ...
 
 
 class WeightSyncer(ABC):
