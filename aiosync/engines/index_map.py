@@ -189,9 +189,11 @@ class IndexMap:
         from ..syncers.common.bits import as_bits
 
         out = torch.empty(tmap.shape, dtype=tmap.dtype)
-        positions = torch.arange(tmap.numel, dtype=torch.int64)
-        _, bits = self.gather(name, positions)
-        as_bits(out.view(-1)).copy_(bits)
+        bits = as_bits(out.view(-1))
+        for table in tmap.tables:  # run by run: no per-element index arrays
+            for c, p, off, length in zip(table.ckpt.tolist(), table.param.tolist(), table.offset.tolist(),
+                                         table.length.tolist()):
+                bits[c:c + length].copy_(self.flat(p)[off:off + length])
         return out
 
     def places(self, name: str, positions: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
