@@ -56,3 +56,14 @@ def _grad_mode_is_left_as_found():
     after = torch.is_grad_enabled()
     torch.set_grad_enabled(before)
     assert after == before, "grad mode was left switched off: keep no_grad inside the thread that runs the model"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_loaded():
+    """The suite runs with the numba kernels loaded, as a warmed-up installation does (compiled
+    on a cold cache: once per checkout). Syncers never wait for them; until they are ready the
+    torch paths serve — ``tests/test_cold_start.py`` covers those, forcing them with
+    ``AIOSYNC_KERNELS=torch`` and in fresh processes."""
+    from aiosync.syncers.kernels.warmup import warm_up
+
+    warm_up()

@@ -217,7 +217,11 @@ def memory(mode: str) -> dict:
         n = big  # every element of ``big``
         cases = {f"{e} declaring {n} changes": declared_maximum(e, n, patch.session) for e in ("coo", "flat")}
         declared = n
-    # warm up the decode path with the genuine patch (numba, pools, allocator arenas)
+    # warm up the decode path with the genuine patch (numba, pools, allocator arenas); the bound
+    # is the numba decoders' (a fresh process takes the torch paths until its kernels load)
+    from aiosync.syncers.kernels.warmup import warm_up
+
+    warm_up(ctx=False)
     for _ in range(2):
         anyio.run(r.apply_payload, {k: v.clone() for k, v in dst.items()}, patch)
         r.version = 1

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aiosync"
 
 #: Layer of each top-level part of the package; a module may import its own layer and those below.
 LAYERS = {
-    "errors": 0, "aio": 0, "messages": 0, "dtypes": 0, "_strict": 0, "configs": 0, "pieces": 0,
+    "errors": 0, "aio": 0, "messages": 0, "dtypes": 0, "_strict": 0, "configs": 0, "pieces": 0, "reclaim": 0,
     "transports": 1, "checkpoints": 1,
     "syncers": 2,
     "coordination": 3, "engines": 3,
@@ -131,7 +131,7 @@ def test_no_import_cycles():
 #: of ``patch``.
 SYNCER_FAMILIES = ["kernels", "common", "snapshot", "bucket", "patch"]
 #: What each family may import of aiosync outside ``aiosync.syncers`` (the kernels: nothing at all).
-SYNCER_OUTSIDE = {"kernels": set(), "common": {"errors", "messages", "aio", "dtypes", "pieces", "_strict"}}
+SYNCER_OUTSIDE = {"kernels": set(), "common": {"errors", "messages", "aio", "dtypes", "pieces", "_strict", "reclaim"}}
 SYNCERS_TOP = 10  # entries at the top of aiosync/syncers (modules and sub-packages)
 
 

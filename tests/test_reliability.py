@@ -135,7 +135,7 @@ async def test_a_build_that_fails_half_way_refuses_every_later_sync():
     src, dst = state(0), receiver_model()
     a, _ = await pair(s, r, src, dst)
 
-    def failing_build(state_dict):
+    def failing_build(state_dict, *encoding):
         raise RuntimeError("device lost in the middle of the diff")
 
     good_build, s._build = s._build, failing_build

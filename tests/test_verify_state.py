@@ -45,9 +45,15 @@ def by_definition(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     (torch.randn(10, 10).t(), torch.float16), (torch.randn(DIGEST_CHUNK + 13), torch.bfloat16),
     (torch.randn(DIGEST_CHUNK + 13), None), (torch.tensor([float("nan"), -0.0, float("inf")]), torch.bfloat16),
 ], ids=lambda x: str(getattr(x, "dtype", x)))
-def test_the_digest_is_its_definition_on_every_dtype_layout_and_chunking(t, dtype):
-    """The numba kernels (fused fp32 → bf16 cast included, across chunk boundaries) compute
-    exactly the documented digest."""
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_the_digest_is_its_definition_on_every_dtype_layout_and_chunking(t, dtype, path, monkeypatch):
+    """The numba kernels (fused fp32 → bf16 cast included, across chunk boundaries) and the torch
+    path a cold start takes until they load compute exactly the documented digest."""
+    from aiosync.syncers.kernels.warmup import digest_ready
+
+    if path == "torch":
+        monkeypatch.setenv("AIOSYNC_KERNELS", "torch")
+    assert digest_ready() == (path == "kernels")
     assert state_digest(t, dtype) == by_definition(t, dtype)
 
 

@@ -41,6 +41,7 @@ import torch
 
 from ..errors import CheckpointHeldError, CheckpointWriteError, ConfigError, PayloadError, VersionError
 from ..pieces import local_pieces
+from ..reclaim import drop_file_cache
 from . import hold
 from .fit import check_tensors_fit
 from .files import MAX_VERSION, RUN_ID, FileName, assemble, read_file, verify, write_file
@@ -380,6 +381,7 @@ class CheckpointDir:
         for entry in os.scandir(self.path):
             name = FileName.parse(entry.name)
             if name is not None and name.kind == "sync" and name.version < version:
+                drop_file_cache(entry.path)  # in pieces: deleting frees it all in one kernel call (L1)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                     removed += 1

@@ -344,7 +344,26 @@ async def run_bench(n_elements: int, d_model: int, vocab: int, lr: float, warmup
         "elements": elements, "changed": round(changed), "density": changed / elements, "clone_s": clone_s,
         "clone_rounds_s": clone_times, "clone_recycled_s": recycled_s, "read_bandwidth_gbs": read_bw / 1e9,
         "rounds": rounds, "modes": result_modes, "bucket_size": bucket_size, "verify": verify,
+        "encoding_break_even": encoding_break_even(result_modes, changed),
     }
+
+
+def encoding_break_even(modes: list[dict[str, Any]], changed: float) -> dict[str, Any]:
+    """The link bandwidth below which ``ctx`` delivers a version sooner than ``flat`` (``encoding:
+    auto``'s choice, :mod:`aiosync.coordination.encodings`): as measured here, from the
+    ``patch-flat`` and ``patch-ctx`` rows (bytes and build + encode + apply seconds per changed
+    element), and the defaults a link starts from before it measures its own."""
+    from ..coordination.encodings import DEFAULT_COSTS, Cost, break_even_bps
+
+    out: dict[str, Any] = {"default_bps": break_even_bps(DEFAULT_COSTS)}
+    by = {m["name"]: m for m in modes}
+    if "patch-flat" in by and "patch-ctx" in by and changed:
+        costs = {enc: Cost(by[f"patch-{enc}"]["bytes_per_changed"],
+                           (by[f"patch-{enc}"]["build_s"] + by[f"patch-{enc}"]["encode_s"]) / changed,
+                           by[f"patch-{enc}"]["apply_s"] / changed) for enc in ("flat", "ctx")}
+        out["measured_bps"] = break_even_bps(costs)
+        out["measured_costs"] = {enc: dataclasses.asdict(c) for enc, c in costs.items()}
+    return out
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -383,6 +402,10 @@ def print_table(report: dict[str, Any]) -> None:
                   f"AdamW step alone ({v['optimizer_step_s'] * 1e3:.0f} ms)")
     console.print("build bw / apply bw: the fraction of the measured read bandwidth the stage achieved on the bytes "
                   "it must move (build_bytes, apply_bytes in the JSON)")
+    even = report.get("encoding_break_even") or {}
+    if "measured_bps" in even:
+        console.print(f"encoding: auto takes ctx on links below {even['measured_bps'] / 1e6:.0f} Mbit/s as measured "
+                      f"here (flat above; a link starts from {even['default_bps'] / 1e6:.0f} Mbit/s until it measures)")
 
 
 def _modes(text: str) -> list[str]:

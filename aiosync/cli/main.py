@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": "aiosync.cli.demo",
     "bench": "aiosync.cli.bench",
     "simulate": "aiosync.cli.simulate",
+    "warm-up": "aiosync.cli.warmup",
 }
 
 

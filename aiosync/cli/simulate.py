@@ -23,6 +23,8 @@ Scenarios:
   must then hold the trainer's final weights. ``--minutes M`` turns it into a soak of M minutes.
 * ``verify`` — whole-state verification, methods × styles, late joiners, one bit flipped behind
   aiosync's back per run: :mod:`aiosync.cli.simulate_verify`.
+* ``links`` — ``encoding: auto`` with explorers behind a 50 Mbit/s and a 1 Gbit/s link side by
+  side (:mod:`aiosync.cli.simulate_links`, a run of its own: each link picks its encoding).
 
 Prints a summary and, with ``--json PATH``, writes the full report.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -103,6 +106,11 @@ SCENARIOS = {
                        jitter=0.004, style="trainer_driven", no_wait=True, faults=FAULTS, apply_failure_rate=0.03,
                        verify_checksums=True, sync_timeout=2.0, delivery_timeout=0.5),
 }
+
+
+#: Scenarios that run a simulation of their own: name -> module with ``simulate(explorers, *, steps,
+#: seed, loop, **overrides) -> report`` and ``summary(report) -> lines`` (imported when chosen).
+MODULES = {"links": "aiosync.cli.simulate_links"}
 
 
 def is_delivery(msg: Any) -> bool:
@@ -355,8 +363,11 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
         from .simulate_verify import simulate_verify
 
         return simulate_verify(steps, seed, loop)
+    if scenario in MODULES:
+        return importlib.import_module(MODULES[scenario]).simulate(explorers, steps=steps, seed=seed, loop=loop,
+                                                                   **overrides)
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join(SCENARIOS)}")
+        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join([*SCENARIOS, 'verify', *MODULES])}")
     base = SCENARIOS[scenario]
     sc = Scenario(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if steps is not None:
@@ -380,7 +391,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify"]))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify", *MODULES]))
     p.add_argument("--explorers", type=integer(1, 64), default=2)
     p.add_argument("--steps", type=integer(1), default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -425,6 +436,9 @@ def run(args: argparse.Namespace) -> int:
             json.dump(report, fh, indent=2)
     if args.scenario == "verify":
         return simulate_verify.print_report(report)
+    if args.scenario in MODULES:
+        print("\n".join(importlib.import_module(MODULES[args.scenario]).summary(report)))
+        return 0
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",
             "final_bit_exact", "torn_reads", "rollouts", "rollouts_wasted", "max_staleness_used", "trainer_step_ratio",
             "loop_lag_p99_ms", "loop_lag_max_ms"]

@@ -21,6 +21,11 @@ it built (``history``).
   lineage (:meth:`FanOut.join`). Lineages of members holding the same version merge at the
   next build (the oldest wins); lineages nobody follows are dropped.
 
+* ``encoding: auto`` (L3): each member's link chooses the patch encoding that delivers soonest
+  over it (:mod:`aiosync.coordination.encodings`); a lineage builds each version once per
+  encoding its members chose (one diff, two codings: ``PatchWeightSyncer.sync_encodings``) and
+  hands each member its own. A member whose encoding a version was not built in gets the other.
+
 * Members whose explorers live in other processes and take the same packet at the same time
   (a version pushed to every explorer) get it in one *multicast round* (:meth:`FanOut.send`):
   each its own header point to point, the shared bodies broadcast once over a process group of
@@ -49,6 +54,7 @@ import anyio
 from ..messages import Shared, payload_nbytes
 from ..syncers.base import WeightSyncer
 from ..syncers.common.payloads import ShardedPatch, Stamped
+from .encodings import LineageCosts, LinkChoice
 from .protocol import Packet
 from .sources import Published, own_bytes
 
@@ -119,13 +125,21 @@ def shared_packet(packet: Packet, sender: WeightSyncer) -> Packet:
 
 @dataclass(eq=False)
 class Built:
-    """A packet built once by a lineage, from ``base`` (``None``: right after an init)."""
+    """A packet built once by a lineage, from ``base`` (``None``: right after an init).
+    ``encoding``: its patch encoding when the lineage builds per link (``encoding: auto``);
+    ``alternates``: the same version in each encoding it was built in (this one included)."""
 
     packet: Packet
     base: int | None
     nbytes: int
     changed: int | None
     build_s: float
+    encoding: str | None = None
+    alternates: dict = field(default_factory=dict)
+
+    def as_encoding(self, encoding: str | None) -> "Built":
+        """This version in ``encoding`` when it was built so, else as it is."""
+        return self.alternates.get(encoding, self)
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,8 @@ class Lineage:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     builds: int = 0
     dropped: bool = False
+    #: ``encoding: auto``: what each encoding costs, as this lineage's builds measure it.
+    costs: LineageCosts | None = None
 
     def chain_from(self, base: int | None) -> list[Built] | None:
         """Packets taking a member at ``base`` to ``version``; ``None`` when not reachable."""
@@ -223,6 +239,15 @@ class FanOutStatistics:
     #: Deliveries sent in multicast rounds, and the rounds (one version to several processes).
     multicast: int = 0
     multicast_rounds: int = 0
+    #: ``encoding: auto``: per explorer, the encoding its link uses now, its measured bandwidth
+    #: (bits per second), deliveries measured and switches made.
+    links: dict = field(default_factory=dict)
+
+
+def per_link(sender: WeightSyncer) -> bool:
+    """Whether ``sender`` builds a version in several encodings for links to choose from."""
+    config = getattr(sender, "config", None)
+    return getattr(config, "encoding", None) == "auto" and callable(getattr(sender, "sync_encodings", None))
 
 
 @dataclass(eq=False)
@@ -244,6 +269,9 @@ class FanOut:
     #: The version each member holds, as last reported (:meth:`applied`).
     _holds: dict = field(default_factory=dict)
     _next_id: int = 0
+    #: ``encoding: auto``: each explorer's link choice, by name (kept across re-bootstraps and
+    #: reconnects of the same explorer).
+    _choices: dict = field(default_factory=dict)
 
     def follows(self, member: Hashable) -> bool:
         """Whether ``member`` follows a lineage (its packets come from :meth:`serve`)."""
@@ -260,7 +288,8 @@ class FanOut:
         self._next_id += 1
         built = Built(packet, None, payload_nbytes(packet.payloads), changed_elements(sender), build_s)
         limit = self.history if mode == "chain" else 1
-        lineage = Lineage(self._next_id, key, mode, sender, packet.version, deque([built], maxlen=limit))
+        lineage = Lineage(self._next_id, key, mode, sender, packet.version, deque([built], maxlen=limit),
+                          costs=LineageCosts() if per_link(sender) else None)
         lineage.members.add(member)
         self._member_of[member] = lineage
         self.lineages.append(lineage)
@@ -334,7 +363,7 @@ class FanOut:
         lineage = min(candidates, key=lambda lin: lin.id)
         async with lineage.lock:  # no build moves the lineage on while the member joins
             if not lineage.dropped and pub.version > lineage.version:
-                await self._build(lineage, pub)
+                await self._build(lineage, pub, self._wanted(lineage))
             if lineage.dropped or pub.version != lineage.version:
                 return None
             first = await lineage.sender.accept(pub.state, meta, send, like=like)
@@ -358,18 +387,47 @@ class FanOut:
             return None
         lineage = min(candidates, key=lambda lin: lin.id)
         self._move(member, lineage)
+        choice = self._choose(member, lineage)
         async with lineage.lock:
             built_here = False
             if not lineage.dropped and pub.version > lineage.version and lineage.reaches(base):
-                await self._build(lineage, pub)
+                await self._build(lineage, pub, self._wanted(lineage))
                 built_here = True
             chain = None if lineage.dropped else lineage.chain_from(base)
         if chain is None:
             self.leave(member)
             return None
+        if choice is not None and chain:
+            chain = [b.as_encoding(choice.encoding) for b in chain]
+            choice.served = chain[-1].encoding
         if not built_here and chain:
             self.shared += 1
         return Decision(chain, built_here)
+
+    def _choose(self, member: Hashable, lineage: Lineage) -> LinkChoice | None:
+        """``encoding: auto``: update ``member``'s link measurements and choice."""
+        if lineage.costs is None:
+            return None
+        name = getattr(member, "name", str(member))
+        choice = self._choices.get(name)
+        if choice is None:
+            choice = self._choices[name] = LinkChoice(name)
+        stats = getattr(member, "stats", None)
+        if stats is not None:
+            choice.observe(stats)
+        choice.decide(lineage.costs.costs)
+        return choice
+
+    def _wanted(self, lineage: Lineage) -> tuple[str, ...]:
+        """The encodings the next version is built in: those its members' links chose (``flat``
+        first: every sender can build it)."""
+        if lineage.costs is None:
+            return ()
+        names = (getattr(m, "name", str(m)) for m in lineage.members)
+        chosen = {self._choices[n].encoding for n in names if n in self._choices} or {"flat"}
+        if "ctx" in chosen and not lineage.sender.ctx_ready():
+            lineage.sender.request_ctx()  # its kernels load in the background; flat meanwhile
+        return tuple(e for e in ("flat", "ctx") if e in chosen)
 
     async def send(self, line: Any, built: Built, packet: Packet) -> None:
         """Send ``packet`` (``built``, restamped for ``line``) on ``line``'s wire: in one
@@ -418,7 +476,7 @@ class FanOut:
         elif rnd.errors[line] is not None:
             raise rnd.errors[line]
 
-    async def _build(self, lineage: Lineage, pub: Published) -> None:
+    async def _build(self, lineage: Lineage, pub: Published, encodings: tuple[str, ...] = ()) -> None:
         payloads: list = []
 
         async def collect(payload: Any) -> None:
@@ -426,19 +484,33 @@ class FanOut:
 
         t0 = time.perf_counter()
         try:
-            await lineage.sender.sync(pub.state, collect, pub.version)
+            if encodings:
+                by_encoding = await lineage.sender.sync_encodings(pub.state, pub.version, encodings)
+            else:
+                await lineage.sender.sync(pub.state, collect, pub.version)
         except BaseException:
             # The sender's snapshot may be half advanced: nobody can build from it any more.
             self._drop(lineage)
             raise
         build_s = time.perf_counter() - t0
-        packet = shared_packet(own_bytes(Packet(pub.version, payloads), pub), lineage.sender)
-        lineage.history.append(Built(packet, lineage.version, payload_nbytes(payloads),
-                                     changed_elements(lineage.sender), build_s))
+        if not encodings:
+            packet = shared_packet(own_bytes(Packet(pub.version, payloads), pub), lineage.sender)
+            lineage.history.append(Built(packet, lineage.version, payload_nbytes(payloads),
+                                         changed_elements(lineage.sender), build_s))
+        else:
+            stats = lineage.sender.encoding_statistics()
+            lineage.costs.observe(stats)
+            alternates: dict = {}
+            for enc, payload in by_encoding.items():
+                packet = shared_packet(own_bytes(Packet(pub.version, [payload]), pub), lineage.sender)
+                alternates[enc] = Built(packet, lineage.version, payload_nbytes([payload]), stats[enc].changed, build_s,
+                                        enc, alternates)
+            lineage.history.append(next(iter(alternates.values())))
         lineage.version = pub.version
         lineage.builds += 1
         self.builds += 1
 
     def statistics(self) -> FanOutStatistics:
         return FanOutStatistics(self.builds, self.shared, len(self.lineages), self.lineages_created,
-                                self.lineages_dropped, self.attached, self.multicast, self.multicast_rounds)
+                                self.lineages_dropped, self.attached, self.multicast, self.multicast_rounds,
+                                {c.name: c.statistics() for c in self._choices.values()})

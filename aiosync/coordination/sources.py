@@ -17,9 +17,10 @@ A line that needs weights newer than a given publish (EXPLORER_DRIVEN: the train
 request at its next check) waits in ``borrow`` until the trainer publishes, until its deadline,
 or until the trainer stops; a stopped trainer answers at once (S5).
 
-Superseded copies (MEMORY) and cached files (CHECKPOINT) are freed in a worker thread once no
-build reads them: freeing gigabytes of tensors takes tens of milliseconds, which must not stall
-the event loop.
+Superseded copies (MEMORY) and cached files (CHECKPOINT, read into memory of their own, never
+mapped) are released once no build reads them, in a worker thread and in bounded pieces
+(:mod:`aiosync.reclaim`): freeing gigabytes takes tens of milliseconds, which must not stall the
+event loop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from ..aio import finish_cuda_work, run_sync
 from ..checkpoints import CheckpointDir
 from ..errors import PeerTimeoutError, VersionError
+from ..reclaim import release_off_loop
 from ..syncers.common.state_dicts import copy_shared, is_dtensor
 
 
@@ -61,12 +63,10 @@ class Published:
 
 
 async def free_off_loop(box: list) -> None:
-    """Empty ``box`` in a worker thread, so that what only it references (large tensors) is freed
-    there, not on the event loop (shielded: a cancelled caller still hands it over). The caller
-    keeps no other reference: it hands over the box, not its contents."""
-    if box:
-        with anyio.CancelScope(shield=True):
-            await run_sync(box.clear)
+    """Release what only ``box`` references (large tensors) in a worker thread, in bounded pieces
+    (:func:`aiosync.reclaim.release_off_loop`; shielded: a cancelled caller still hands it over).
+    The caller keeps no other reference: it hands over the box, not its contents."""
+    await release_off_loop(box)
 
 
 @dataclass(eq=False)

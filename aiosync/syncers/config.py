@@ -16,7 +16,7 @@ from .._strict import check_seconds, check_types, from_mapping
 from ..errors import ConfigError
 
 SYNCER_TYPES = ("patch", "bucket")
-PATCH_ENCODINGS = ("coo", "flat", "ctx")
+PATCH_ENCODINGS = ("coo", "flat", "ctx", "auto")
 COMPRESSIONS = ("none", "zstd", "nvcomp_lz4", "nvcomp_zstd")
 BUCKET_DTYPES = (None, "bfloat16", "float16", "float32")
 COMM_KEYS = ("use_ring_sync", "nccl_max_ctas", "nccl_min_ctas")

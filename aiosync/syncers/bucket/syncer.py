@@ -25,8 +25,8 @@ from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, 
     encode_shares, iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
 from ..common.remote import tensor_plan
-from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
-from ..kernels.warmup import warm_up_kernels
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
+from ..kernels.warmup import request_for
 from ..common.state_dicts import module_state_dict, select_sync_names, shared_memory
 
 _D = BucketConfig()  # the one home of the defaults (== weight_syncer/bucket_syncer.yaml)
@@ -170,7 +170,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         t0 = time.perf_counter()
         target = module_state_dict(model)
         generation = self._generation
-        await run_sync(warm_up_kernels, target.values())  # compiled (or loaded) off the event loop
+        request_for(target.values())  # loaded in the background; the torch paths serve until then (L2)
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
         plan, held, nbytes, peak = tensor_plan(target), {}, 0, 0
         while not reader.done:
@@ -214,13 +214,15 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
                 changed, journal = await run_sync(self._write_sync, target, plan, rollback)
             await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
             undo = 0 if journal is None else journal.nbytes
+            held = plan.nbytes
             self.version = version
             self._generation += 1
+            await written(journal, plan)
         write_s = time.perf_counter() - t0
         nbytes, count, stage_s, peak = stats
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, buckets=count,
                                           stage_s=stage_s, write_s=write_s, apply_s=stage_s + write_s,
-                                          peak_bytes=max(peak, plan.nbytes + undo))
+                                          peak_bytes=max(peak, held + undo))
         return version
 
     def _write_sync(self, target: Mapping[str, torch.Tensor], plan: FullStateWrite,

@@ -172,8 +172,9 @@ def state_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torc
     are read by value. CPU tensors are digested by a numba kernel (several GB/s, GIL released),
     other devices with torch ops, a chunk at a time (bounded scratch memory).
     """
-    from ..kernels.digest import digest_fp32_as_bf16
+    from ..kernels.warmup import digest_ready
 
+    kernels = digest_ready()  # until they load (cold start), the torch path: the same digests
     t = t.detach().resolve_conj().resolve_neg()
     dtype = t.dtype if dtype is None else dtype
     chain = [d for d in (via if t.is_floating_point() else None, dtype) if d is not None]
@@ -182,7 +183,10 @@ def state_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torc
     total, n = 0, flat.numel()
     for a in range(0, n, DIGEST_CHUNK):
         c, start = flat[a:a + DIGEST_CHUNK], a * width // 8
-        if c.is_cpu and c.dtype == torch.float32 and all(d == torch.bfloat16 for d in chain) and dtype != c.dtype:
+        if (kernels and c.is_cpu and c.dtype == torch.float32 and all(d == torch.bfloat16 for d in chain)
+                and dtype != c.dtype):
+            from ..kernels.digest import digest_fp32_as_bf16
+
             bits = c.view(torch.int32).numpy().view(np.uint32)
             bulk = bits.shape[0] - bits.shape[0] % 4  # the last few elements: padded apart (no copy of the chunk)
             total += int(digest_fp32_as_bf16(bits[:bulk], start))
@@ -195,18 +199,19 @@ def state_digest(t: torch.Tensor, dtype: torch.dtype | None = None, *, via: torc
             if c.dtype != d:
                 c = c.to(d)
         c = torch.view_as_real(c) if c.is_complex() else c
-        total += _digest_bytes(c.contiguous().reshape(-1).view(torch.uint8), start)
+        total += _digest_bytes(c.contiguous().reshape(-1).view(torch.uint8), start, kernels)
     return _s64(_mix_int(n * width, total & _MASK64))
 
 
-def _digest_bytes(raw: torch.Tensor, start: int) -> int:
+def _digest_bytes(raw: torch.Tensor, start: int, kernels: bool) -> int:
     """``Σ mix(start + i, w_i)`` (not reduced) over the 64-bit words of a 1-D uint8 tensor, its
     last word zero-padded: the bulk in place (a copy only when it is not 8-byte aligned), the
-    tail apart."""
-    from ..kernels.digest import digest_words
+    tail apart. CPU words by the numba kernel when ``kernels`` (loaded), else torch ops."""
 
     def words_sum(words: torch.Tensor, first: int) -> int:
-        if words.is_cpu:
+        if words.is_cpu and kernels:
+            from ..kernels.digest import digest_words
+
             return int(digest_words(words.numpy().view(np.uint64), first))
         pos = torch.arange(first, first + words.numel(), device=words.device, dtype=torch.int64)
         return _sum64(_mix_torch(pos, words))

@@ -44,6 +44,11 @@ class RemoteTensors:
     def nbytes(self) -> int:
         return held_bytes(self.buckets)
 
+    def take(self) -> list:
+        """Hand over the kept tensors (to be released off the event loop; see ``written``)."""
+        buckets, self.buckets = self.buckets, []
+        return buckets
+
     @property
     def written_keys(self) -> list[str]:
         return list(dict.fromkeys(k for b in self.buckets for k in b))

@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from ...aio import finish_cuda_work, run_sync
+from ...reclaim import release_off_loop
 from ...errors import ApplyError
 from ..base import CommitTarget
+from ..kernels.warmup import ready as kernels_ready
 from .bits import BITS_DTYPES, as_bits
 
 log = logging.getLogger("aiosync.sync")
@@ -72,6 +74,12 @@ class Journal:
         with torch.no_grad():
             while self._undo:
                 self._undo.pop()()
+
+    def take(self) -> list:
+        """Empty the journal (its write committed): the undo records, old values included, for
+        :func:`written`."""
+        undo, self._undo = self._undo, []
+        return undo
 
 
 @dataclass
@@ -136,6 +144,11 @@ class FullStateWrite:
                     entry = self._plan(key, t, value, sig)
                 self._entries[key] = entry
                 self._storages.setdefault(home, []).append(key)
+
+    def take(self) -> list:
+        """Empty the plan (it was written): its entries, new values included, for :func:`written`."""
+        entries, self._entries, self._storages = list(self._entries.values()), {}, {}
+        return entries
 
     @property
     def changed(self) -> int:
@@ -230,7 +243,8 @@ class FullStateWrite:
                     if journal is not None:
                         journal.record_whole(t)
                     t.copy_(entry.dense)
-                elif entry.index is not None and not isinstance(entry.index, tuple) and t.device.type == "cpu":
+                elif (entry.index is not None and not isinstance(entry.index, tuple) and t.device.type == "cpu"
+                      and kernels_ready((t.element_size(),))):
                     _scatter_cpu(t, entry.index, entry.new_bits, journal)
                 elif entry.index is not None:
                     view = as_bits(t).view(-1) if not isinstance(entry.index, tuple) else as_bits(t)
@@ -241,6 +255,15 @@ class FullStateWrite:
                     after_each(i, len(entries))
         finish_cuda_work(target[e.key] for e in entries)  # the writes landed before the version commits
         return self.changed
+
+
+async def written(*parts: Any) -> None:
+    """A staged write committed: release what its plans and journals (``parts``; ``None`` and
+    objects without ``take()`` are skipped) still hold — a bootstrap's new values, a repair's old
+    ones, a model's worth — in a worker thread, in bounded pieces (:mod:`aiosync.reclaim`). Their
+    last references would otherwise go on the event loop, with the coroutine that wrote them."""
+    box = [p.take() for p in parts if callable(getattr(p, "take", None))]
+    await release_off_loop(box)
 
 
 async def commit_write(model: Any, keys: Sequence[str], version: int | None, journal: Journal | None) -> None:
@@ -318,8 +341,10 @@ def _scatter_cpu(t: torch.Tensor, pos: torch.Tensor, new_bits: torch.Tensor, jou
 
 def _diff_chunk(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (int64) where two 1-D bit tensors differ, and ``new``'s bits there. Reads only.
-    The numba kernel on CPU (``torch.nonzero`` costs several times more), torch ops elsewhere."""
-    if new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous()):
+    The numba kernel on CPU (``torch.nonzero`` costs several times more) once it is loaded, torch
+    ops elsewhere and until then."""
+    if (new.device.type != "cpu" or not (new.is_contiguous() and old.is_contiguous())
+            or not kernels_ready((new.element_size(),))):
         idx = torch.nonzero(old != new).reshape(-1)
         return idx, new[idx]
     from ..kernels.write import diff_positions

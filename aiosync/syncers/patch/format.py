@@ -29,6 +29,7 @@ from ..common.integrity import drift_hash
 from .bounds import MAX_VARINT_BYTES
 from ..common.payloads import EmptyWeightPatch, WeightPatch
 from ..common.bits import BITS_DTYPES, np_bits
+from ..kernels.warmup import ready as kernels_ready
 from ..snapshot.builder import FlatDiff, TensorDiff
 
 _WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64}
@@ -139,7 +140,7 @@ def _on_cpu(diffs: list[TensorDiff]) -> bool:
 def _encode_flat(diffs: list[TensorDiff], layouts: list[TensorLayout]):
     """Gap varints + value nibbles and exceptions; numba on CPU, torch ops elsewhere."""
     widths = [layouts[d.slot].elem_size for d in diffs]
-    if _on_cpu(diffs):
+    if _on_cpu(diffs) and kernels_ready(widths):
         from ..kernels.flat import encode_flat
 
         def one(i):
@@ -433,11 +434,11 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
     if len(gap_bytes) != len(ords) or any(b < 0 for b in gap_bytes) or sum(gap_bytes) != cols.numel():
         raise PayloadError(f"flat patch gap_bytes {gap_bytes[:4]}... do not add up to its {cols.numel()} index bytes")
     values = patch.values.reshape(-1)
+    on_cpu = _numba_decodes(cols) and kernels_ready({layouts[o].elem_size for o in ords})
     nib_offs, exc, exc_offs, n_excs = _flat_value_layout(values, layouts, ords, counts)
     starts = [0]
     for b in gap_bytes:
         starts.append(starts[-1] + b)
-    on_cpu = _numba_decodes(cols)
     cols_np = cols.numpy() if on_cpu else None
 
     def one(i: int) -> DecodedTensor:
@@ -461,7 +462,8 @@ def _decode_flat(patch: WeightPatch, layouts, ords: list[int], counts: list[int]
 
 
 def _numba_decodes(cols: torch.Tensor) -> bool:
-    """Whether the numba decoder reads this gap stream (CPU), else torch ops (CUDA)."""
+    """Whether the numba decoder reads this gap stream (CPU), else torch ops (CUDA; and CPU until
+    the kernels are loaded: the same positions, checked the same)."""
     return not cols.is_cuda
 
 
@@ -489,8 +491,8 @@ def _torch_positions(seg: torch.Tensor, n: int, numel: int, o: int) -> torch.Ten
 def _flat_value_layout(values: torch.Tensor, layouts, ords: list[int], counts: list[int], numba_counts: bool = True):
     """Check the ``flat`` values stream's length against its escape nibbles; return each
     tensor's nibble offset, the exception planes per width, each tensor's offset in them
-    and its number of escaped codes. Escapes are counted with numba on CPU
-    (``numba_counts``), else with torch ops."""
+    and its number of escaped codes. Escapes are counted with numba on CPU (``numba_counts``,
+    once the kernels are loaded), else with torch ops."""
     total = sum(counts)
     packed_len = (total + 1) // 2
     if values.numel() < packed_len:
@@ -499,7 +501,7 @@ def _flat_value_layout(values: torch.Tensor, layouts, ords: list[int], counts: l
     nib_offs = [0]
     for n in counts:
         nib_offs.append(nib_offs[-1] + n)
-    if values.is_cuda or not numba_counts:
+    if values.is_cuda or not numba_counts or not kernels_ready({layouts[o].elem_size for o in ords}):
         c = torch.arange(total, device=values.device)
         esc = (((values[c >> 1].to(torch.int64) >> ((c & 1) * 4)) & 15) == ESCAPE).to(torch.int64)
         cs = torch.cat([esc.new_zeros(1), torch.cumsum(esc, 0)])

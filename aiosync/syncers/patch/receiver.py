@@ -139,6 +139,8 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
         if isinstance(payload, CompressedWeightPatch):
             payload = decompress_patch(payload, state.layouts)
         deferred = None
+        if payload.encoding == "ctx":
+            _ctx_kernels(state.layouts)
         if payload.encoding != "ctx":
             decoded = decode_patch(payload, state.layouts)
         elif defer_ctx:  # its positions depend on values a staged bootstrap has not written yet
@@ -167,6 +169,21 @@ def prepare_patch(payload: Any, state: ReceiverState, version_now: int | None, t
     except Exception as exc:  # garbage that slipped past the checks: still the library's error
         raise PayloadError(f"malformed patch: {type(exc).__name__}: {exc}") from exc
     return PreparedPatch(version, decoded, keys, checksums, old_hashes, nbytes, deferred, n_deferred)
+
+
+#: Seconds a ``ctx`` patch waits, at most, for this process's ``ctx`` kernels (a first compile).
+CTX_KERNELS_WAIT = 600.0
+
+
+def _ctx_kernels(layouts: dict[int, TensorLayout]) -> None:
+    """Wait (a worker thread: staging) until the ``ctx`` kernels are loaded: decoding a ``ctx``
+    patch has no torch path. They were asked for when the syncer pair was set up."""
+    from ..kernels.warmup import wait_ready
+
+    widths = sorted({lay.elem_size for lay in layouts.values()})
+    if not wait_ready(widths, ctx=True, timeout=CTX_KERNELS_WAIT):
+        raise PayloadError(f"a ctx patch arrived, but this process's ctx kernels were not ready within "
+                           f"{CTX_KERNELS_WAIT:.0f}s (see `aiosync warm-up`); refused, nothing was written")
 
 
 def _decode_ctx(payload: WeightPatch, state: ReceiverState, target: Mapping[str, torch.Tensor]) -> list[DecodedTensor]:

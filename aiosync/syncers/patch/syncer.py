@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 import torch
 
-from ...aio import resolve_device, run_sync, wait_event
+from ...aio import resolve_device, run_sync
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes
 from ..base import RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
@@ -43,16 +43,18 @@ from ..config import PatchConfig
 from ..common.integrity import checksum_tensor, new_session, tensor_checksum
 from .format import TensorLayout, assemble_flat_patch, encode_patch
 from .forward import ForwardedPatch, forward_patch, handshake_of
-from .handshake import (check_hello, check_metadata, check_planned, is_int, metadata_dtype, plan_slots,
-    receiver_layouts, receiver_metadata, sender_layouts)
+from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
+    receiver_metadata, sender_layouts)
 from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch, receiver_shards,
     write_patch)
 from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
 from ..snapshot.builder import FlatDiff, Snapshot
 from ..common.remote import tensor_plan
-from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes
-from ..kernels.warmup import warm_up_kernels
+from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
+from ..kernels.warmup import ready as kernels_ready
+from ..kernels.warmup import request as request_kernels
+from ..kernels.warmup import widths_of
 from ..common.state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
@@ -122,13 +124,14 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._names: list[str] = []  # synced keys in the sender's state-dict order (W17 collective order)
         self._layouts: list[TensorLayout] = []
         self._elem_sizes: dict[int, int] = {}
+        self._widths: tuple[int, ...] = ()  # element widths of the snapshot (the receiver's dtypes)
         self._is_sender = True
         self._last_version: int | None = None
         self._chain_broken: str | None = None  # why the snapshot is out of step (a failed build)
         self._bootstrap_keys: list[str] = []
-        #: key -> (shape, dtype) of every slot as the handshake planned it: a sync re-checks them
-        self._planned: dict[str, tuple] = {}
+        self._planned: dict[str, tuple] = {}  # key -> (shape, dtype) as the handshake planned: each sync re-checks
         self._session: int | None = None  # the handshake's id, as the sender echoes it
+        self._by_encoding: dict[str, SyncStatistics] = {}
         # receiver state: changes only when a staged write succeeds
         self._rx = ReceiverState()
         self.version: int | None = None
@@ -175,7 +178,6 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             raise
         self._is_sender = is_sender
         self._names = names
-        await run_sync(warm_up_kernels, [state_dict[k] for k in names], self.config.encoding == "ctx")
         if not is_sender:
             self._slot_keys = names
             self._bootstrap_keys = boot
@@ -207,16 +209,14 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._planned = {k: (tuple(state_dict[k].shape), state_dict[k].dtype) for k in slots}
         self._layouts = sender_layouts(slots, meta, dtypes)
         self._elem_sizes = {lay.ordinal: lay.elem_size for lay in self._layouts}
+        self._widths = tuple(sorted(set(self._elem_sizes.values())))
+        request_kernels(self._widths, self.config.encoding == "ctx")  # in the background (L2): nothing waits
         snapshot = Snapshot(self.config.snapshot_device, kernel=self._builder_kernel, **self._chunking(state_dict, slots))
         await run_sync(self._take_snapshot, snapshot, state_dict, [dtypes[k] for k in slots])
         if self._snapshot is not None:
             self._snapshot.close()
         self._snapshot = snapshot
-        self._ctx = None
-        if self.config.encoding == "ctx":
-            from .ctx.encode import CtxBuilder  # numba: imported when used, never at ``import aiosync``
-
-            self._ctx = await run_sync(CtxBuilder, snapshot, self._layouts)
+        self._ctx = None  # the ctx statistics: made by the first ctx build (ctx_builder)
         self._last_version = None
         self._chain_broken = None
 
@@ -296,12 +296,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         unknown state: every later ``sync`` raises :class:`PatchChainError` until
         ``init_sender`` runs again.
         """
-        version = check_version(version)
-        if self._chain_broken is not None:
-            raise PatchChainError(f"cannot build patch {version}: {self._chain_broken}; call init_sender again to "
-                                  "re-bootstrap the receiver", expected_base=self._last_version, receiver_version=None)
-        if self._last_version is not None and version <= self._last_version:
-            raise VersionError(f"version {version} is not greater than the last synced version {self._last_version}")
+        version = self._check_next(version)
         if not self._is_sender:
             for key in self._slot_keys:
                 await run_sync(materialize, state_dict[key])
@@ -309,42 +304,82 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return
         if self._snapshot is None:
             raise RuntimeError("call init_sender before sync")
-        check_planned(state_dict, self._slot_keys, self._planned)
-        t0 = time.perf_counter()
-        base = self._last_version
-        built: list = []
-
-        def build():
-            out = self._build(state_dict)
-            built.append(True)
-            return out
-
-        try:
-            diffs = await run_sync(build)
-        finally:
-            if built:  # the snapshot holds `version` now, whatever happens to this patch
-                self._last_version = version
-            else:
-                self._chain_broken = f"building patch {version} failed half way, the sender's snapshot is out of step"
-        if self._snapshot.staged_event is not None:
-            await wait_event(self._snapshot.staged_event, timeout=self.config.recv_timeout)
-        t1 = time.perf_counter()
-        patch = await run_sync(self._encode, diffs, version, base)
+        patches = await self._build_encoded(state_dict, version, (self.plain_encoding(),))
+        patch = next(iter(patches.values()))
         t2 = time.perf_counter()
         await send(patch)
-        t3 = time.perf_counter()
-        self._statistics = SyncStatistics(
-            version=version, bytes=payload_nbytes(patch), changed=sum(d.nnz for d in diffs),  # both diff kinds count
-            elements=sum(lay.numel for lay in self._layouts), build_s=t1 - t0, encode_s=t2 - t1, send_s=t3 - t2)
-        self._last_version = version
+        self._statistics = dataclasses.replace(self._statistics, send_s=time.perf_counter() - t2)
 
-    def _build(self, state_dict):
+    async def sync_encodings(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                             encodings: tuple[str, ...]) -> dict[str, Any]:
+        """Build ``version``'s patch once in each of ``encodings`` (``flat``, ``ctx``) and return
+        them by encoding, sending nothing (a fan-out hands each explorer link the one it chose:
+        ``encoding: auto``). One diff serves both: the changes found, the snapshot is put back at
+        them and the ``ctx`` builder codes the same changes (:mod:`.encodings`). An encoding this
+        sender cannot build now (``ctx`` before its kernels load; a sharded or CUDA state) is
+        left out; the first of ``encodings`` it can build is always there.
+        :meth:`encoding_statistics` says what each cost. Same checks and chain rules as :meth:`sync`."""
+        version = self._check_next(version)
+        if self._snapshot is None or not self._is_sender:
+            raise RuntimeError("call init_sender (as the sender) before sync_encodings")
+        return await self._build_encoded(state_dict, version, encodings)
+
+    def _check_next(self, version: int) -> int:
+        """``version`` as the next one to build: an int64 above the last, on an unbroken chain."""
+        version = check_version(version)
+        if self._chain_broken is not None:
+            raise PatchChainError(f"cannot build patch {version}: {self._chain_broken}; call init_sender again to "
+                                  "re-bootstrap the receiver", expected_base=self._last_version, receiver_version=None)
+        if self._last_version is not None and version <= self._last_version:
+            raise VersionError(f"version {version} is not greater than the last synced version {self._last_version}")
+        return version
+
+    def encoding_statistics(self) -> dict[str, SyncStatistics]:
+        """Per encoding, what the last :meth:`sync_encodings` (or :meth:`sync`) built: bytes,
+        changed elements, and the seconds its diff and coding took."""
+        return dict(self._by_encoding)
+
+    async def _build_encoded(self, state_dict, version: int, encodings: tuple[str, ...]) -> dict[str, Any]:
+        from .encodings import build_encoded
+
+        return await build_encoded(self, state_dict, version, encodings)
+
+    def plain_encoding(self) -> str:
+        """The encoding of a patch built by :meth:`sync`: the configured one; ``ctx`` is ``flat``
+        until the ``ctx`` kernels are ready (the torch paths have no ``ctx`` coder); ``auto`` is
+        ``flat`` (a fan-out picks per link: :meth:`sync_encodings`)."""
+        enc = self.config.encoding
+        if enc == "auto" or (enc == "ctx" and not self.ctx_ready()):
+            return "flat"
+        return enc
+
+    def ctx_ready(self) -> bool:
+        """Whether this sender can build ``ctx`` patches now (its kernels are loaded)."""
+        return kernels_ready(self._widths, ctx=True)
+
+    def request_ctx(self) -> None:
+        """Ask for the ``ctx`` kernels (loaded in the background; see :meth:`ctx_ready`)."""
+        request_kernels(self._widths, ctx=True)
+
+    def ctx_builder(self):
+        """The ``ctx`` statistics over the snapshot (made on first use, in a worker thread)."""
+        if self._ctx is None:
+            from .ctx.encode import CtxBuilder  # numba: imported when used, never at ``import aiosync``
+
+            self._ctx = CtxBuilder(self._snapshot, self._layouts)
+        return self._ctx
+
+    def _build(self, state_dict, encoding: str):
         snap = self._snapshot
+        if encoding != "ctx":
+            self._ctx = None  # its statistics would miss this build's changes: made afresh when next used
+        else:
+            self.ctx_builder()  # from the snapshot before this build moves it on
         if not any(is_dtensor(state_dict[k]) for k in self._slot_keys):
             tensors = [materialize(state_dict[k]) for k in self._slot_keys]  # plain: detached, views resolved
-            if self._fused_cpu(tensors):
-                return snap.diff_flat(tensors) if self.config.encoding == "flat" else self._ctx.build(tensors)
-            return self._as_ctx(snap.diff(tensors, self._transport_device))
+            if self._fused_cpu(tensors, encoding):
+                return snap.diff_flat(tensors) if encoding == "flat" else self.ctx_builder().build(tensors)
+            return self._as_ctx(snap.diff(tensors, self._transport_device), encoding)
         # DTensors: gather a bounded group at a time so the sender never holds the full model twice.
         # Gather in state-dict order, every synced key (as the other ranks do; see _take_snapshot).
         diffs, group, used = [], [], 0
@@ -357,43 +392,46 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                 used += t.numel() * t.element_size()
             if group and (used >= limit or n == len(self._names) - 1):
                 diffs += self._as_ctx(snap.diff([t for _, t in group], self._transport_device,
-                                                slots=[s for s, _ in group]))
+                                                slots=[s for s, _ in group]), encoding)
                 group, used = [], 0
         diffs.sort(key=lambda d: d.slot)
         return diffs
 
-    def _as_ctx(self, diffs):
+    def _as_ctx(self, diffs, encoding: str):
         """The torch builder's diffs as ``ctx`` records (when that is the encoding)."""
-        if self.config.encoding != "ctx" or not diffs:
+        if encoding != "ctx" or not diffs:
             return diffs
         if self._snapshot.staged_event is not None:
             self._snapshot.staged_event.synchronize()
         from .ctx.encode import diffs_from_tensor_diffs
 
-        return diffs_from_tensor_diffs(self._ctx, diffs)
+        return diffs_from_tensor_diffs(self.ctx_builder(), diffs)
 
-    def _fused_cpu(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether the CPU fast path (diff and encoding in one pass) applies."""
-        return (self.config.encoding in ("flat", "ctx") and self._builder_kernel == "auto"
+    def _fused_cpu(self, tensors: list[torch.Tensor], encoding: str) -> bool:
+        """Whether the CPU fast path (diff and encoding in one pass, numba) applies: its kernels
+        are loaded (until then the torch builder serves, bit for bit the same patch)."""
+        return (encoding in ("flat", "ctx") and self._builder_kernel == "auto"
                 and self._transport_device.type == "cpu" and self._snapshot.device.type == "cpu"
-                and not any(t.is_cuda for t in tensors))
+                and not any(t.is_cuda for t in tensors) and kernels_ready(self._widths, encoding == "ctx"))
 
-    def _encode(self, diffs, version: int, base: int | None):
+    def _encode(self, diffs, version: int, base: int | None, encoding: str):
         if diffs and isinstance(diffs[0], FlatDiff):
             patch = assemble_flat_patch(diffs, self._layouts, version=version, base_version=base)
-        elif self.config.encoding == "ctx":
+        elif encoding == "ctx":
             from .ctx.encode import assemble_ctx_patch
 
             patch = assemble_ctx_patch(diffs, self._layouts, version=version, base_version=base,
                                        pool=self._snapshot.pool())
         else:
             patch = encode_patch(diffs, self._layouts, version=version, base_version=base,
-                                 encoding=self.config.encoding, delta_encoding=self.config.delta_encoding)
+                                 encoding=encoding, delta_encoding=self.config.delta_encoding)
         patch.session = self._session
         if isinstance(patch, WeightPatch) and self.config.verify_checksums:
             # the result the receiver must hold: the snapshot of each touched tensor
             patch.checksums = checksum_tensor([tensor_checksum(self._snapshot.tensor(d.slot)) for d in diffs])
-        if isinstance(patch, WeightPatch) and self.config.compression != "none":
+        # auto: ctx patches are entropy-coded already (compressing them again only costs time)
+        if isinstance(patch, WeightPatch) and self.config.compression != "none" and not (
+                encoding == "ctx" and self.config.encoding == "auto"):
             return compress_patch(patch, self.config.compression, self._elem_sizes, self.config.compression_level)
         return patch
 
@@ -420,7 +458,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_no_reserved_keys(state_dict.keys())
         self._pending = None
         self._generation += 1  # staged writes of the previous handshake are void
-        await run_sync(warm_up_kernels, list(state_dict.values()), self.config.encoding == "ctx")
+        request_kernels(widths_of(state_dict.values()), self.config.encoding in ("ctx", "auto"))
         meta = await run_sync(receiver_metadata, state_dict, new_session())
         await send(meta)
         hello = await recv_with_timeout(recv, self.config.recv_timeout, "the sender's answer to our metadata")
@@ -529,6 +567,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                 self._rx, self._pending = pending.rx, None
             version = self.version = new_version
             self._generation += 1
+            await written(journal, pending.plan if pending is not None else None)
         write_s = time.perf_counter() - t0
         stage_s = pending.stage_s if stage_s is None and pending is not None else (stage_s or 0.0)
         nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
@@ -555,6 +594,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         stage_s = (pending.stage_s if pending is not None else 0.0) if stage_s is None else stage_s
         nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
         changed = (prepared.changed if prepared is not None else 0) + (boot.changed if boot is not None else 0)
+        del write
+        await written(boot)  # the bootstrap's tensors released off the event loop
         write_s = time.perf_counter() - t0
         self._statistics = SyncStatistics(version=self.version, bytes=nbytes, changed=changed, stage_s=stage_s,
                                           write_s=write_s, apply_s=stage_s + write_s, peak_bytes=held)

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from ...aio import resolve_device
+from ...reclaim import release, release_later
+from ..kernels.warmup import ready as kernels_ready
 from ..common.bits import NP_UINT, as_bits, np_bits
 
 _FUSED: list[bool] = []
@@ -92,6 +94,7 @@ class Snapshot:
         self.chunk_elems = int(chunk_elems)
         self.workers = workers or max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
         self._snaps: list[torch.Tensor] = []  # flat, contiguous, receiver dtype
+        self._blocks: dict = {}  # dtype -> the one buffer the slots of that dtype are slices of
         self._shapes: list[torch.Size] = []
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
@@ -189,6 +192,8 @@ class Snapshot:
         for s, t in zip(snaps, tensors):
             s.copy_(t.detach().reshape(-1))
         self._snaps = snaps
+        old_blocks, self._blocks = self._blocks, ({} if pin else buffers)
+        release([old_blocks])
         if old_block is not None:
             old_block.release()
         self._shapes = [t.shape for t in tensors]
@@ -220,7 +225,8 @@ class Snapshot:
         cpu_slots = [i for i, t in by_slot.items() if not (t.is_cuda or self._snaps[i].is_cuda)]
         gpu_slots = [i for i in by_slot if i not in set(cpu_slots)]
         if cpu_slots:
-            if self.kernel == "torch":  # the CUDA builder's algorithm, on CPU
+            if self.kernel == "torch" or not kernels_ready({self._snaps[i].element_size() for i in cpu_slots}):
+                # the CUDA builder's algorithm, on CPU (also until the numba kernels are loaded)
                 from .cuda import diff_groups
 
                 pairs = [(by_slot[i].detach().reshape(-1), self._snaps[i]) for i in cpu_slots]
@@ -501,14 +507,19 @@ class Snapshot:
             fut.result()
 
     def close(self) -> None:
+        """Free the snapshot: its buffers go to :func:`aiosync.reclaim.release_later` (freeing a
+        model's worth of memory must not stall an event loop that closes a sender), its builder
+        threads end once idle."""
         self.wait_writeback()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)
             self._pool = None
-        self._snaps = []
+        self._snaps = []  # views of the buffers below
+        blocks, self._blocks = self._blocks, {}
         if self._pinned is not None:
             self._pinned.release()
             self._pinned = None
+        release_later([blocks])
 
 
 class PinnedBlock:

@@ -3,7 +3,9 @@
 gloo's point-to-point work handles cannot be polled (``is_completed()`` stays false until
 someone calls ``wait()``) and a gloo wait that times out poisons the whole group, so each
 posted gloo operation is waited for by a small daemon thread that calls ``wait()`` (with no
-timeout of its own) and wakes the event loop when it returns; NCCL work is polled with
+timeout of its own) and wakes the event loop when it returns (the threads are kept and reused:
+starting one makes the caller wait until the OS schedules it, milliseconds of loop stall on a
+busy machine — see :class:`_Waiters`); NCCL work is polled with
 ``is_completed()`` and exponential back-off. The event loop only posts operations and awaits,
 with aiosync's own deadline (:class:`aiosync.errors.PeerTimeoutError`). An :class:`_Op` whose
 wait timed out or was cancelled is still pending: waiting on it again resumes the same
@@ -12,7 +14,9 @@ operation, so nothing is lost or misframed.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import queue
 import threading
 import time
 from typing import Any
@@ -28,6 +32,41 @@ def is_gloo(group: Any) -> bool:
         return dist.get_backend(group) == "gloo"
     except Exception:  # pragma: no cover - an unusual group object
         return True
+
+
+class _Waiters:
+    """Threads that run blocking waits, reused: an idle one takes the next wait; when none is idle
+    a new one is started without waiting for it to run (``threading.Thread.start`` blocks its
+    caller, the event loop, until the OS schedules the new thread). At most ``keep`` idle threads
+    stay; the others end."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # that idle thread takes this job
+        self._jobs.put(job)
+        if start:
+            _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job()
+            del job
+            with self._lock:
+                if self._idle >= self.keep:
+                    return
+                self._idle += 1
+
+
+_WAITERS = _Waiters()
 
 
 class _Op:
@@ -49,7 +88,7 @@ class _Op:
         if work is None:  # a rank outside the group: nothing to wait for
             self._done.set()
         elif threaded:
-            threading.Thread(target=self._wait_in_thread, name=f"aiosync-{what}", daemon=True).start()
+            _WAITERS.submit(self._wait_in_thread)
 
     def _wait_in_thread(self) -> None:
         try:
