@@ -35,22 +35,21 @@ import torch
 from ...aio import resolve_device, run_sync
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes
-from ..base import RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from ..base import RemoteTarget, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     iter_named_tensor_buckets, seal_bucket)
 from .codecs import check_codec_available, compress_patch
 from ..config import PatchConfig
 from ..common.integrity import checksum_tensor, new_session, tensor_checksum
 from .format import TensorLayout, assemble_flat_patch, encode_patch
-from .forward import ForwardedPatch, forward_patch, handshake_of
+from .forward import local_model, stage_patch, tensor_plan, write_remote
 from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
     receiver_metadata, sender_layouts)
-from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch, receiver_shards,
+from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, receiver_shards,
     write_patch)
 from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
 from ..snapshot.builder import FlatDiff, Snapshot
-from ..common.remote import tensor_plan
 from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
 from ..kernels.warmup import ready as kernels_ready
 from ..kernels.warmup import request as request_kernels
@@ -465,10 +464,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
         session = meta.session if hello.session is not None else None
-        if hello.shards is not None and isinstance(state_dict, RemoteTarget):
-            raise HandshakeError("a sharded trainer's patches cannot be forwarded to a model that applies them where it "
-                                 "lives (a RemoteTarget) yet; give the explorer a model that holds its weights")
-        shards = () if hello.shards is None else receiver_shards(state_dict, meta, hello.shards, session)
+        shards = () if hello.shards is None else receiver_shards(local_model(state_dict), meta, hello.shards, session)
         plan, nbytes = None, 0
         if hello.init_sync:
             plan, nbytes = await self._receive_bootstrap(state_dict, recv, session, shards)
@@ -525,14 +521,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         t0 = time.perf_counter()
         target = module_state_dict(model)
         pending, generation = self._pending, self._generation
-        rx = pending.rx if pending is not None else self._rx
-        version_now = None if pending is not None else self.version
-        if isinstance(target, RemoteTarget):  # decoded where the weights are: only the header is checked here
-            prepared = forward_patch(payload, rx, version_now)
-        else:
-            prepared = await run_sync(prepare_patch, payload, rx, version_now, target,
-                                      verify_checksums=self.config.verify_checksums,
-                                      defer_ctx=pending is not None and pending.plan is not None)
+        prepared = await stage_patch(self, target, payload, pending)  # a RemoteTarget: only the header is checked
         stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
         boot = pending.plan if pending is not None and pending.plan is not None else None
         held = held_bytes([payload, prepared]) + (boot.nbytes if boot is not None else 0)
@@ -556,7 +545,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         rx = pending.rx if pending is not None else self._rx
         t0 = time.perf_counter()
         if isinstance(target, RemoteTarget):
-            return await self._write_remote(target, prepared, pending, stage_s, held)
+            return await write_remote(self, target, prepared, pending, stage_s, held)
         # Written and committed as one step: a cancellation arriving while the worker thread
         # writes (it cannot be interrupted) must not leave new weights under the old version.
         with anyio.CancelScope(shield=True):
@@ -574,32 +563,6 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._statistics = SyncStatistics(version=version, bytes=nbytes, changed=changed, stage_s=stage_s,
                                           write_s=write_s, apply_s=stage_s + write_s, peak_bytes=held + undo)
         return version
-
-    async def _write_remote(self, target: RemoteTarget, prepared: ForwardedPatch | None, pending: _PendingInit | None,
-                            stage_s: float | None, held: int) -> int | None:
-        """The write of a remote target: the handshake, bootstrap tensors and patch it staged,
-        handed over as received, in one call; the target writes them all or nothing."""
-        t0 = time.perf_counter()
-        boot = pending.plan if pending is not None else None
-        write = RemoteWrite(prepared.version if prepared is not None else None,
-                            handshake_of(pending.rx) if pending is not None else None,
-                            list(boot.buckets) if boot is not None else [],
-                            prepared.payload if prepared is not None else None)
-        with anyio.CancelScope(shield=True):  # a cancellation cannot split the write from the receiver's state
-            await target.write_remote(write)
-            if pending is not None:
-                self._rx, self._pending = pending.rx, None
-            self.version = write.version
-            self._generation += 1
-        stage_s = (pending.stage_s if pending is not None else 0.0) if stage_s is None else stage_s
-        nbytes = (prepared.nbytes if prepared is not None else 0) + (pending.nbytes if pending is not None else 0)
-        changed = (prepared.changed if prepared is not None else 0) + (boot.changed if boot is not None else 0)
-        del write
-        await written(boot)  # the bootstrap's tensors released off the event loop
-        write_s = time.perf_counter() - t0
-        self._statistics = SyncStatistics(version=self.version, bytes=nbytes, changed=changed, stage_s=stage_s,
-                                          write_s=write_s, apply_s=stage_s + write_s, peak_bytes=held)
-        return self.version
 
     def _write_sync(self, target, rx: ReceiverState, pending: _PendingInit | None, prepared: PreparedPatch | None,
                     rollback: bool) -> tuple[int, list[str], Journal | None, int]:
