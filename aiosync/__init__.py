@@ -49,7 +49,7 @@ _EXPORTS = {
     "FaultProfile": "aiosync.transports", "DistributedTransport": "aiosync.transports",
     "WeightSyncGroup": "aiosync.transports",
     "CheckpointDir": "aiosync.checkpoints",
-    "AiosyncError": "aiosync.errors", "ApplyError": "aiosync.errors", "ChecksumError": "aiosync.errors",
+    "AiosyncError": "aiosync.errors", "ApplyError": "aiosync.errors", "AuthenticationError": "aiosync.errors", "ChecksumError": "aiosync.errors",
     "CheckpointHeldError": "aiosync.errors", "CheckpointWriteError": "aiosync.errors",
     "ClosedResourceError": "aiosync.errors", "CodecUnavailableError": "aiosync.errors",
     "ConfigError": "aiosync.errors", "DrainError": "aiosync.errors", "DriftError": "aiosync.errors",

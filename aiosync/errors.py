@@ -89,6 +89,17 @@ class TransportError(AiosyncError, ConnectionError):
     """A transport failed to deliver a payload (a broken link, or a failure injected on purpose)."""
 
 
+class AuthenticationError(AiosyncError, PermissionError):
+    """A request or answer was refused because it does not carry a valid signature of the key
+    both sides share (none, a wrong key, an altered message, or a replay: ``reason`` says which,
+    one of ``"unsigned"``, ``"no_key"``, ``"bad_signature"``, ``"other_server"``,
+    ``"replayed"``). Nothing it asked for was done."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class DriftError(PayloadError):
     """The receiver's old values at a patch's changed positions are not the ones the sender
     built the patch on (they were written behind aiosync's back, or a delivery was lost):

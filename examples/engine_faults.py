@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 from aiosync.engines.vllm_faults import BACKEND, PLAN_ENV, FaultPlan  # noqa: E402
-from aiosync.runners.grpo import greedy  # noqa: E402
+from aiosync.runners.grpo import greedy, lm_step as adamw_step  # noqa: E402
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
 BUCKET = {"type": "bucket", "bucket": {"bucket_size": 1 << 16}}
@@ -101,17 +101,6 @@ def start_engine(kind: str, path: str | Path) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-
-
-def adamw_step(model: Any, optimizer: Any, seed: int) -> None:
-    """One AdamW update of a language-modelling loss on random token sequences."""
-    g = torch.Generator().manual_seed(seed)
-    model.train()
-    ids = torch.randint(0, 32, (4, 12), generator=g)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    model.eval()
 
 
 def optimizer_for(model: Any) -> Any:

@@ -33,7 +33,7 @@ import anyio
 from ..errors import (AiosyncError, ApplyError, ClosedResourceError, EndOfStream, MessageError, PayloadError,
                       PeerTimeoutError)
 from ..messages import type_name
-from ..syncers.base import CommitTarget, StagedWrite, WeightSyncer
+from ..syncers.base import CommitTarget, ReceiverHost, StagedWrite, WeightSyncer
 from ..syncers.factory import SyncerFactory
 from ..syncers.common.state_dicts import module_state_dict
 from ..transports.base import Transport
@@ -138,8 +138,15 @@ class Applier:
                                         backup=False if receiver.supports_no_wait else None)
         return await self._staged(msg.version, lambda: self._stage_packet(receiver, msg), allow_same=False)
 
+    def _make_receiver(self, bootstrap: bool) -> WeightSyncer:
+        """A fresh receiver syncer; for a model that hosts its receiver elsewhere (a server),
+        the syncer that forwards to it."""
+        receiver = self.syncers.make(bootstrap)
+        model = self.slot.model
+        return model.host_receiver(receiver) if isinstance(model, ReceiverHost) else receiver
+
     async def _reinit(self, msg: Reinit) -> Ack:
-        receiver = self.syncers.make(msg.bootstrap)
+        receiver = self._make_receiver(msg.bootstrap)
         self._conv = msg.conv
         if not receiver.supports_staging and isinstance(self.slot.model, CommitTarget):
             ack = self._refused(msg.version, _unstageable(receiver))
@@ -148,8 +155,9 @@ class Applier:
                                        backup=None, allow_same=True)
         else:
             async def stage() -> StagedWrite:
-                await receiver.stage_init(module_state_dict(self.slot.model), self._conversation_recv,
-                                          self.transport.send)
+                model = self.slot.model  # a ReceiverHost's own syncer reads nothing here
+                await receiver.stage_init(model if isinstance(model, ReceiverHost) else module_state_dict(model),
+                                          self._conversation_recv, self.transport.send)
                 return await self._stage_packet(receiver, await self._conversation_packet(msg))
 
             ack = await self._staged(msg.version, stage, allow_same=True)

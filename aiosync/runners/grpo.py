@@ -180,3 +180,15 @@ def greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], l
         logps.append(float(lp[t]))
         ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
     return tokens, logps
+
+
+def lm_step(model: Any, optimizer: torch.optim.Optimizer, seed: int, vocab: int = 32) -> None:
+    """One AdamW (or any optimizer) update of a language-modelling loss on random token
+    sequences of ``vocab`` tokens: the real update the engine examples and tests sync."""
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    ids = torch.randint(0, vocab, (4, 12), generator=g)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()

@@ -168,6 +168,18 @@ class RemoteTarget(Protocol):
     async def state_digests(self, keys: Sequence[str]) -> dict[str, int]: ...
 
 
+@runtime_checkable
+class ReceiverHost(Protocol):
+    """A receiver model whose weights live where the receiving syncer must run too (a
+    ``vllm serve`` process: :class:`aiosync.engines.vllm_server.VLLMServer`): the explorer does
+    not decode what it receives, it forwards it. ``host_receiver(syncer)`` returns the syncer
+    the explorer drives in place of ``syncer`` (made from the same config): a staging syncer
+    that hands the init conversation and every payload over, still encoded, to a receiver made
+    from that config where the weights are, and whose staged write writes there."""
+
+    def host_receiver(self, syncer: "WeightSyncer") -> "WeightSyncer": ...
+
+
 class WeightSyncer(ABC):
     """Base class of :class:`PatchWeightSyncer` and :class:`BucketWeightSyncer`.
 

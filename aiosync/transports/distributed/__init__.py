@@ -5,6 +5,7 @@ Syncers and the synchronizer keep seeing one ``send(payload)`` / ``recv()`` pair
 by ``torchrun`` or ``torch.multiprocessing``. :class:`WeightSyncGroup` makes the groups it
 rides on and :meth:`WeightSyncGroup.broadcast` fans one payload out to every rank at once.
 
+* :mod:`.bytestring` — one message as one byte string (an HTTP body), over the frame codec;
 * :mod:`.wire` — the frame codec (prefix, JSON header, host and device bodies) and the one
   place a received prefix is validated; the wire format is documented there;
 * :mod:`.ops` — waiting on posted work: gloo through a waiter thread, NCCL polled;

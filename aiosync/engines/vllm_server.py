@@ -1,0 +1,307 @@
+"""A running ``vllm serve`` as an explorer's model: :class:`VLLMServer`.
+
+The server runs vLLM's OpenAI-compatible API with aiosync's backend and middleware
+(:mod:`aiosync.engines.vllm_server_app`); the trainer's process attaches it like any model::
+
+    server = VLLMServer("http://host:8000", key_file="key")
+    explorer = await sync.attach_explorer("srv0", server)      # bootstrap: the first, blocking sync
+    answer, versions = await server.completions({"prompt": [16, 3], "max_tokens": 8, "logprobs": 1})
+
+Patch and bucket sync, every method and style, ``sync_weight_no_wait``, coalescing and repair
+work as for any explorer: the explorer's ``Applier`` drives a :class:`ForwardingReceiver` in
+place of the receiving syncer (the model is a :class:`~aiosync.syncers.base.ReceiverHost`),
+which hands every step — the handshake, each payload, the write — to the server as one signed
+request, the payloads still encoded. So what crosses the network per version is the patch;
+the server decodes it against its own copy of the weights and updates the engine in one
+transaction. Several servers take the same encoded patch (a fan-out shares it).
+
+A server that restarted comes back holding the weights it was started from, under a new run
+id: the next request notices (its signature names the old run), the delivery fails, and the
+synchronizer's next delivery bootstraps the server. Every request is bounded by ``timeout``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ..errors import ApplyError, AuthenticationError, ConfigError, PeerTimeoutError, TransportError
+from ..syncers.base import StagedWrite, WeightSyncer
+from .auth import Signer, load_key
+from .vllm_server_protocol import (CALL, HELLO, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall, from_bytes,
+                                   in_thread_if_large, rebuild_error, syncer_config, to_bytes)
+
+
+@dataclass(frozen=True)
+class ServerStatistics:
+    """A snapshot of a :class:`VLLMServer`'s counters: requests made, bytes sent to and
+    received from the server (aiosync's calls only), restarts noticed, calls the server
+    refused, and the version the server last said it holds."""
+
+    url: str
+    server: str | None
+    version: int | None
+    calls: int
+    bytes_sent: int
+    bytes_received: int
+    restarts: int
+    refused: int
+
+
+def parse_versions(value: str | None) -> tuple[int | None, ...]:
+    """The versions of an ``x-aiosync-weight-versions`` header (``none``: the start-up weights)."""
+    if not value:
+        return ()
+    return tuple(None if v == "none" else int(v) for v in value.split(","))
+
+
+class VLLMServer:
+    """A ``vllm serve`` process as an explorer's model (see the module docstring).
+
+    ``url``: the server's base URL. ``key`` / ``key_file``: the key the server was started with
+    (default: the environment's ``AIOSYNC_SERVER_KEY_FILE`` or ``AIOSYNC_SERVER_KEY``; required).
+    ``timeout``: bound on every request (a write pauses the engine: allow for it).
+    ``connect_timeout``: bound on connecting. ``client``: an ``httpx.AsyncClient`` of your own
+    (TLS settings, proxies, event hooks); the server is then reached through it and it stays
+    yours to close.
+    """
+
+    def __init__(self, url: str, *, key: str | bytes | None = None, key_file: str | None = None,
+                 timeout: float = 300.0, connect_timeout: float = 10.0, client: Any = None) -> None:
+        key = load_key(key, key_file)
+        if key is None:
+            raise ConfigError("VLLMServer needs the server's key: key=, key_file=, or AIOSYNC_SERVER_KEY_FILE")
+        if not (timeout > 0 and connect_timeout > 0):
+            raise ConfigError("VLLMServer: timeout and connect_timeout must be positive")
+        self.url = url.rstrip("/")
+        self.signer = Signer(key)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._client, self._own_client = client, client is None
+        #: The server run this client signs for (``GET /aiosync/hello``), and what it last held.
+        self.server: str | None = None
+        self.version: int | None = None
+        self._stats = {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "restarts": 0, "refused": 0}
+        self._lock = anyio.Lock()  # signed calls go one at a time, in counter order
+        self._receivers = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.url!r}, version={self.version})"
+
+    def statistics(self) -> ServerStatistics:
+        return ServerStatistics(self.url, self.server, self.version, **self._stats)
+
+    # -- the explorer's side (ReceiverHost) ------------------------------------------------
+
+    def host_receiver(self, syncer: WeightSyncer) -> WeightSyncer:
+        """The syncer the explorer drives for this server: ``syncer``'s twin, running there."""
+        return ForwardingReceiver(self, syncer, next(self._receivers))
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
+        return self._client
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        try:
+            with anyio.fail_after(self.timeout + self.connect_timeout):
+                return await self._http().request(method, self.url + path, **kwargs)
+        except TimeoutError:
+            raise PeerTimeoutError(f"the vLLM server at {self.url} did not answer {method} {path} within "
+                                   f"{self.timeout}s") from None
+        except httpx.TimeoutException as exc:
+            raise PeerTimeoutError(f"the vLLM server at {self.url} did not answer {method} {path} in time: "
+                                   f"{type(exc).__name__}") from None
+        except httpx.HTTPError as exc:
+            raise TransportError(f"cannot reach the vLLM server at {self.url} ({method} {path}): "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+    async def hello(self) -> dict:
+        """Ask the server which run it is (a restart makes a new one); returns its answer."""
+        response = await self._request("GET", HELLO)
+        if response.status_code == 404:
+            raise ConfigError(f"{self.url} has no aiosync routes: start vllm serve with --middleware "
+                              "aiosync.engines.vllm_server_app.AiosyncApp (and the aiosync weight-transfer backend)")
+        info = self._json(response, HELLO)
+        if self.server is not None and info["server"] != self.server:
+            self._stats["restarts"] += 1
+        self.server = info["server"]
+        return info
+
+    async def state(self) -> dict:
+        """What the server holds and did (``GET /aiosync/state``; not authenticated: informative)."""
+        return self._json(await self._request("GET", STATE), STATE)
+
+    def _json(self, response: Any, path: str) -> dict:
+        if response.status_code != 200:
+            raise TransportError(f"the vLLM server at {self.url} answered {path} with {response.status_code}: "
+                                 f"{response.text[:300]}")
+        return response.json()
+
+    async def call(self, call: ServerCall, size_hint: int = 0) -> ServerAnswer:
+        """One signed step of the receiver's work on the server; its answer, checked."""
+        async with self._lock:
+            if self.server is None:
+                await self.hello()
+            body = await to_bytes(call, size_hint)
+            headers = await in_thread_if_large(self.signer.sign, body, "POST", CALL, self.server, body)
+            self._stats["calls"] += 1
+            self._stats["bytes_sent"] += len(body)
+            response = await self._request("POST", CALL, content=body,
+                                           headers={**headers, "content-type": "application/octet-stream"})
+            data = response.content
+            self._stats["bytes_received"] += len(data)
+            if response.status_code == 401:
+                await self._refused(response)
+            if response.status_code != 200:
+                raise TransportError(f"the vLLM server at {self.url} answered {CALL} with {response.status_code}: "
+                                     f"{response.text[:300]}")
+            await in_thread_if_large(self.signer.check_answer, data, headers, 200, data, response.headers)
+        answer = await from_bytes(data, f"the vLLM server at {self.url}")
+        if not isinstance(answer, ServerAnswer):
+            raise ApplyError(f"the vLLM server at {self.url} answered with a {type(answer).__name__}")
+        self.version = answer.version
+        return answer
+
+    async def _refused(self, response: Any) -> None:
+        try:
+            info = response.json()
+        except ValueError:
+            info = {}
+        self._stats["refused"] += 1
+        if info.get("reason") == "other_server":  # the server restarted since we last asked
+            self.server, self.version = info.get("server"), None
+            self._stats["restarts"] += 1
+            raise ApplyError(f"the vLLM server at {self.url} restarted: it holds the weights it was started from "
+                             "(the next sync bootstraps it)")
+        raise AuthenticationError(f"the vLLM server at {self.url} refused the update: {info.get('error', response.text)}",
+                                  reason=info.get("reason", "unknown"))
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def completions(self, body: Mapping[str, Any], path: str = "/v1/completions"
+                          ) -> tuple[dict, tuple[int | None, ...]]:
+        """POST an OpenAI completion request (``body`` without ``model`` gets the server's);
+        returns its JSON answer and the versions whose weights generated it (oldest first;
+        ``None``: the weights the server was started with)."""
+        body = dict(body)
+        if "model" not in body:
+            body["model"] = await self._model()
+        response = await self._request("POST", path, json=body)
+        if response.status_code != 200:
+            raise TransportError(f"the vLLM server at {self.url} answered {path} with {response.status_code}: "
+                                 f"{response.text[:300]}")
+        return response.json(), parse_versions(response.headers.get(VERSIONS_HEADER))
+
+    async def _model(self) -> str:
+        if not hasattr(self, "_model_id"):
+            self._model_id = self._json(await self._request("GET", "/v1/models"), "/v1/models")["data"][0]["id"]
+        return self._model_id
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (one given as ``client=`` stays open)."""
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+        self._client = None if self._own_client else self._client
+
+    async def __aenter__(self) -> "VLLMServer":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class ForwardingReceiver(WeightSyncer):
+    """The receiving syncer of a :class:`VLLMServer`'s explorer: the twin of ``syncer`` (the
+    same config) runs in the server; this one forwards its conversation, still encoded, and
+    raises what the server refuses, as the error class it names."""
+
+    supports_staging = True
+
+    def __init__(self, server: VLLMServer, syncer: WeightSyncer, number: int) -> None:
+        super().__init__()
+        self.server, self.number = server, number
+        self.config = syncer_config(syncer)
+        self.supports_no_wait = syncer.supports_no_wait
+        self.payloads_per_sync = syncer.payloads_per_sync
+        self._convs = itertools.count()
+
+    async def init_sender(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a ForwardingReceiver only receives")
+
+    async def sync(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a ForwardingReceiver only receives")
+
+    async def init_receiver(self, state_dict: Any, recv: Any, send: Any = None) -> None:
+        raise NotImplementedError("a ForwardingReceiver stages: use stage_init and stage")
+
+    async def apply(self, model: Any, recv: Any) -> int:
+        staged = await self.stage(model, recv)
+        return await staged.write(model)
+
+    async def stage_init(self, state_dict: Any, recv: Any, send: Any) -> None:
+        await self._converse(ServerCall("init", self.number, next(self._convs), config=self.config), recv, send)
+
+    async def stage(self, model: Any, recv: Any) -> StagedWrite:
+        first = await recv() if self.payloads_per_sync == 1 else None  # one payload: it goes with the call
+        conv = next(self._convs)
+        answer = await self._converse(ServerCall("stage", self.number, conv, payload=first), recv, None)
+        if answer.staged is None:
+            raise ApplyError("the vLLM server staged nothing")
+
+        async def write(model: Any, rollback: bool = True) -> int:
+            done = await self.server.call(ServerCall("write", self.number, conv, rollback=rollback))
+            if done.state != "done":
+                raise rebuild_error(done.error_type, done.error)
+            return done.staged
+
+        return StagedWrite(answer.staged, write, nbytes=answer.nbytes, changed=answer.changed,
+                           stage_s=answer.stage_s)
+
+    async def _converse(self, call: ServerCall, recv: Any, send: Any) -> ServerAnswer:
+        """Run one conversation: hand the server each message it waits for, send on what it
+        sends. A conversation given up on here is dropped there (bounded)."""
+        from ..messages import payload_nbytes
+
+        ended = False  # the server's side of the conversation ended (it needs no abort)
+        try:
+            answer = await self.server.call(call, payload_nbytes(call.payload))
+            while True:
+                ended = answer.state != "wants"
+                for msg in answer.out:
+                    if send is None:
+                        raise ApplyError(f"the vLLM server's receiver sent a {type(msg).__name__} during a sync")
+                    await send(msg)
+                if answer.state == "failed":
+                    raise rebuild_error(answer.error_type, answer.error)
+                if answer.state == "done":
+                    return answer
+                msg = await recv()
+                answer = await self.server.call(ServerCall("feed", call.receiver, call.conv, payload=msg),
+                                                payload_nbytes(msg))
+        except BaseException:
+            if not ended:
+                with anyio.move_on_after(min(self.server.timeout, 10.0), shield=True):
+                    try:
+                        await self.server.call(ServerCall("abort", call.receiver, call.conv))
+                    except Exception:  # the original error is the one to report
+                        pass
+            raise
+
+
+def first_choice(answer: dict) -> tuple[list[int], list[float]]:
+    """``(token ids, their log-probabilities)`` of the first choice of a ``/v1/completions``
+    answer asked with ``logprobs`` and ``return_tokens_as_token_ids`` (tokens ``token_id:<n>``)."""
+    logprobs = answer["choices"][0]["logprobs"]
+    ids = [int(t.rpartition(":")[2]) for t in logprobs["tokens"]]
+    return ids, [float(lp) for lp in logprobs["token_logprobs"]]
+

