@@ -24,6 +24,7 @@ from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.index_map import loaded_image, probe_map  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
+from aiosync.errors import ConfigError  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.syncers.common.bits import as_bits  # noqa: E402
 from helpers import HANG_GUARD, in_process_engine  # noqa: E402
@@ -127,7 +128,7 @@ async def assert_engine_is(llm, target, model, version: int, outputs: bool = Tru
 
 
 async def test_patch_syncs_land_in_place_bit_exact_and_equal_a_bucket_sync(llm, trainer_model):
-    target = VLLMTarget(llm)
+    target = VLLMTarget(llm, inplace=True)
     assert isinstance(target, VLLMInPlaceTarget) and target.statistics().path == "inplace"
     opt = make_optimizer(trainer_model)
     with anyio.fail_after(4 * HANG_GUARD):
@@ -161,7 +162,7 @@ async def test_patch_syncs_land_in_place_bit_exact_and_equal_a_bucket_sync(llm, 
     # the same weights through a bucket sync (whole tensors through the loader): the same outputs, exactly
     with torch.no_grad():
         trainer_model.model.layers[1].self_attn.k_proj.weight[0, 0] = 0.25
-    bucket_target = VLLMTarget(llm)
+    bucket_target = VLLMTarget(llm, inplace=True)
     async with Synchronizer({"style": "fixed"}, BUCKET) as sync:
         await sync.attach_trainer(trainer_model)
         await sync.attach_explorer("vllm", bucket_target)
@@ -202,7 +203,7 @@ def watch_failures(llm, target) -> list:
 
 
 async def test_a_write_that_fails_half_way_puts_every_old_value_back(llm, trainer_model):
-    target = VLLMTarget(llm)
+    target = VLLMTarget(llm, inplace=True)
     opt = make_optimizer(trainer_model)
     failed = watch_failures(llm, target)
     with anyio.fail_after(4 * HANG_GUARD):
@@ -241,7 +242,7 @@ def _fail_next_load(worker, after: int) -> None:
 
 
 async def test_a_bucket_sync_whose_load_fails_half_way_puts_every_old_value_back(llm, trainer_model):
-    target = VLLMTarget(llm)
+    target = VLLMTarget(llm, inplace=True)
     opt = make_optimizer(trainer_model)
     failed = watch_failures(llm, target)
     with anyio.fail_after(4 * HANG_GUARD):
@@ -263,7 +264,10 @@ async def test_a_bucket_sync_whose_load_fails_half_way_puts_every_old_value_back
     target.close()
 
 
-def test_the_shadow_path_stays_available_on_request(llm):
-    target = VLLMTarget(llm, inplace=False)
-    assert type(target) is VLLMTarget and target.statistics().path == "shadow"
-    target.close()
+def test_the_shadow_path_is_the_default_even_where_in_place_could_run(llm):
+    # in place is opt-in: never run on a GPU, under tensor parallelism or with an AsyncLLM
+    for target in (VLLMTarget(llm), VLLMTarget(llm, inplace=False)):
+        assert type(target) is VLLMTarget and target.statistics().path == "shadow"
+        target.close()
+    with pytest.raises(ConfigError, match="inplace must be True .* or False"):
+        VLLMTarget(llm, inplace=None)

@@ -96,24 +96,24 @@ class _Kept(Exception):
         self.error = error
 
 
-def _choose_inplace(engine: Any, inplace: bool | None) -> bool:
-    """Whether ``VLLMTarget(engine, inplace=...)`` writes in place: ``None`` (auto) when the
-    engine is an in-process ``LLM`` whose parameters are all readable (none re-packed)."""
-    if inplace is False:
+def _choose_inplace(engine: Any, inplace: bool) -> bool:
+    """Whether ``VLLMTarget(engine, inplace=...)`` writes in place: only when asked
+    (``inplace=True``), and then only an in-process ``LLM`` whose parameters are all readable
+    (none re-packed) — anything else is a :class:`ConfigError` saying why."""
+    if not isinstance(inplace, bool):
+        raise ConfigError(f"VLLMTarget: inplace must be True (patches written in the engine's own parameters, "
+                          f"opt-in) or False (the shadow path, the default), got {inplace!r}")
+    if not inplace:
         return False
-    kind = _engine_kind(engine)
-    if kind != "llm":
-        if inplace:
-            raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
-                              "workers run in another process; in-place writes there are not implemented yet)")
-        return False
+    if _engine_kind(engine) != "llm":
+        raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
+                          "workers run in another process; in-place writes there are not implemented yet)")
     from .vllm_inplace import engine_parameters_readable
 
-    readable = engine_parameters_readable(engine)
-    if inplace and not readable:
+    if not engine_parameters_readable(engine):
         raise ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
-                          "linear layers), which cannot be written in place; use the default (inplace=None)")
-    return readable
+                          "linear layers), which cannot be written in place; use the default (inplace=False)")
+    return True
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -154,17 +154,18 @@ class VLLMTarget(EngineTarget):
     engine keeps its previous weights); only an engine that does not even answer the abort,
     or a commit that outlives twice the bound, leaves the target broken.
 
-    ``inplace``: ``None`` (default) chooses the path — an in-process ``LLM`` whose parameters
-    can be written as they are (a GPU; a CPU build without oneDNN re-packing) gets a
+    ``inplace``: ``False`` (default) — this class, the shadow path; ``True`` (opt-in) — a
     :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
-    the engine's own parameters, no host copy), any other engine this class (the shadow);
-    ``True`` insists on the first (a :class:`ConfigError` where it cannot be), ``False`` on the
-    second. ``statistics().path`` says which.
+    the engine's own parameters, no host copy), for an in-process ``LLM`` whose parameters can
+    be written as they are (a CPU build without oneDNN re-packing; vLLM on a GPU, untested), a
+    :class:`ConfigError` for any other engine. The in-place path has only run on a CPU, with
+    one engine rank and an offline ``LLM`` (never on a GPU or under tensor parallelism), so it
+    is never chosen unless asked for. ``statistics().path`` says which.
     """
 
     path = "shadow"
 
-    def __new__(cls, engine: Any, *, inplace: bool | None = None, **kwargs: Any) -> Any:
+    def __new__(cls, engine: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
         if cls is VLLMTarget and _choose_inplace(engine, inplace):
             from .vllm_inplace import VLLMInPlaceTarget
 
@@ -173,7 +174,7 @@ class VLLMTarget(EngineTarget):
 
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
                  clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0,
-                 inplace: bool | None = None) -> None:
+                 inplace: bool = False) -> None:
         self.engine = engine
         self.kind = _engine_kind(engine)
         vllm_config = check_target_args(engine, self.kind, pause_mode, bucket_size, timeout)

@@ -1,9 +1,10 @@
 """A vLLM engine whose parameters are written in place: :class:`VLLMInPlaceTarget`.
 
-``VLLMTarget(llm)`` returns one of these when the engine's parameters can be read and written
-as they are (vLLM on a GPU; a CPU build whose linear layers are not re-packed into oneDNN
-handles) and the engine is an offline ``LLM`` in this process; otherwise the shadow target
-(:class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload).
+``VLLMTarget(llm, inplace=True)`` (opt-in; the default is the shadow target,
+:class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload)
+returns one of these when the engine is an offline ``LLM`` in this process whose parameters can
+be read and written as they are (a CPU build whose linear layers are not re-packed into oneDNN
+handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise.
 
 The target holds no weights. It is a :class:`~aiosync.syncers.base.RemoteTarget`: a mapping of
 *meta* tensors (the checkpoint's names, shapes and the engine's dtype) with
@@ -128,8 +129,8 @@ def engine_parameters_readable(engine: Any) -> bool:
 
 class VLLMInPlaceTarget(EngineTarget):
     """A vLLM offline ``LLM`` whose parameters receive aiosync's writes in place (see the
-    module docstring). Made by :class:`~aiosync.engines.vllm.VLLMTarget` when the engine's
-    parameters are readable; the arguments are that class's (``bucket_size`` unused).
+    module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
+    are readable; the arguments are that class's (``bucket_size`` unused).
     ``tensors``: only their names, shapes and dtypes are used (default: the checkpoint's)."""
 
     path = "inplace"
