@@ -393,6 +393,8 @@ async def test_bad_input_is_refused_with_a_clear_error(llm, trainer_model):
         VLLMTarget(llm, pause_mode="abort")
     with pytest.raises(TypeError, match="needs a vllm.LLM or a vllm AsyncLLM"):
         VLLMTarget(object())
+    with pytest.raises(ConfigError, match="re-packs its parameters"):  # oneDNN on: in place cannot be
+        VLLMTarget(llm, inplace=True)
     target = VLLMTarget(llm)
     state = dict(trainer_model.state_dict())
     state["lm_head.extra"] = torch.zeros(3)               # a key the engine's checkpoint does not have

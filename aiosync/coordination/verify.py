@@ -9,7 +9,9 @@ trainer's published version — so that a wrong state never stays silent, whatev
   (:func:`reference_digests`; explorers of one layout share it), in a worker thread.
 * **The check.** The delivery line sends :class:`~aiosync.coordination.protocol.Verify`; the
   explorer digests what it holds (a worker thread, GIL released; for an engine explorer, the
-  host copy a :class:`~aiosync.engines.vllm.VLLMTarget` keeps) and answers with the keys that
+  host copy a :class:`~aiosync.engines.vllm.VLLMTarget` keeps, or — a
+  :class:`~aiosync.syncers.base.RemoteTarget` — the engine's own parameters, digested in the
+  engine by ``state_digests``) and answers with the keys that
   differ (:class:`~aiosync.coordination.protocol.Verified`).
 * **When.** After every bootstrap and repair, on a schedule (``synchronizer.verify_state``:
   every N versions, aligned on multiples of N so explorers at the same versions share the
@@ -38,6 +40,7 @@ import torch
 from ..aio import run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import PayloadError
+from ..syncers.base import RemoteTarget
 from ..syncers.common.integrity import state_digests, state_digest
 from ..syncers.common.state_dicts import is_dtensor, module_state_dict
 from ..transports.base import Transport
@@ -135,7 +138,13 @@ async def answer_verify(msg: Verify, model: Any, held: int | None, name: str) ->
     if held != msg.version:
         return Verified(msg.id, msg.version, held, [], f"holds version {held}, not {msg.version}")
     try:
-        mismatched, spent = await run_sync(_timed, mismatched_keys, module_state_dict(model), msg.digests)
+        if isinstance(model, RemoteTarget):  # its weights live elsewhere: digested there
+            t0 = time.perf_counter()
+            held_digests = await model.state_digests([k for k in msg.digests if k in model])
+            mismatched = [k for k, want in msg.digests.items() if held_digests.get(k) != want or type(want) is not int]
+            spent = time.perf_counter() - t0
+        else:
+            mismatched, spent = await run_sync(_timed, mismatched_keys, module_state_dict(model), msg.digests)
     except Exception as exc:  # a model that cannot be read: reported, the line repairs
         return Verified(msg.id, msg.version, held, [], f"{type(exc).__name__}: {exc}")
     if mismatched:

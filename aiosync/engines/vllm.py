@@ -39,13 +39,11 @@ steps. An ``AsyncLLM`` may also be used directly; its writes pause it through
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,55 +55,11 @@ from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
 from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
 from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
-from .vllm_plugin import BACKEND, BACKENDS
+from .vllm_common import EngineStats, EngineTarget, _engine_kind, check_target_args
 
 log = logging.getLogger("aiosync.engines")
-PAUSE_MODES = ("keep", "wait", "abort")
 #: In an engine's error: it no longer knows its weights (see :mod:`aiosync.engines.vllm_backend`).
 _UNKNOWN = "the engine's weights are unknown"
-
-
-@dataclass
-class EngineStats:
-    """Counters of a :class:`VLLMTarget` (mutable; :meth:`VLLMTarget.statistics` snapshots them)."""
-
-    commits: int = 0
-    #: Commits that sent weights to the engine (an empty patch only relabels the version).
-    writes: int = 0
-    #: Calls to put the old values back after a failed write (``commit_write(keys, None)``).
-    restores: int = 0
-    #: Writes the engine refused or that were aborted; it kept its previous weights each time.
-    refused: int = 0
-    tensors_sent: int = 0
-    bytes_sent: int = 0
-    #: How long generation was paused for a write: the last, the longest, in total.
-    last_pause_s: float = 0.0
-    max_pause_s: float = 0.0
-    total_pause_s: float = 0.0
-    requests: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    """A snapshot of a :class:`VLLMTarget`'s counters (see :class:`EngineStats`) and state."""
-
-    version: int | None
-    pause_mode: str
-    broken: bool
-    commits: int
-    writes: int
-    restores: int
-    refused: int
-    tensors_sent: int
-    bytes_sent: int
-    last_pause_s: float
-    max_pause_s: float
-    total_pause_s: float
-    requests: int
-
-    @property
-    def mean_pause_s(self) -> float:
-        return self.total_pause_s / self.writes if self.writes else 0.0
 
 
 def output_versions(output: Any) -> tuple[int, ...]:
@@ -142,15 +96,24 @@ class _Kept(Exception):
         self.error = error
 
 
-def _engine_kind(engine: Any) -> str:
-    from vllm import LLM
-    from vllm.v1.engine.async_llm import AsyncLLM
+def _choose_inplace(engine: Any, inplace: bool) -> bool:
+    """Whether ``VLLMTarget(engine, inplace=...)`` writes in place: only when asked
+    (``inplace=True``), and then only an in-process ``LLM`` whose parameters are all readable
+    (none re-packed) — anything else is a :class:`ConfigError` saying why."""
+    if not isinstance(inplace, bool):
+        raise ConfigError(f"VLLMTarget: inplace must be True (patches written in the engine's own parameters, "
+                          f"opt-in) or False (the shadow path, the default), got {inplace!r}")
+    if not inplace:
+        return False
+    if _engine_kind(engine) != "llm":
+        raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
+                          "workers run in another process; in-place writes there are not implemented yet)")
+    from .vllm_inplace import engine_parameters_readable
 
-    if isinstance(engine, LLM):
-        return "llm"
-    if isinstance(engine, AsyncLLM):
-        return "async"
-    raise TypeError(f"VLLMTarget needs a vllm.LLM or a vllm AsyncLLM, got {type(engine).__name__}")
+    if not engine_parameters_readable(engine):
+        raise ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
+                          "linear layers), which cannot be written in place; use the default (inplace=False)")
+    return True
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -170,7 +133,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Ten
     return out
 
 
-class VLLMTarget(Mapping[str, torch.Tensor]):
+class VLLMTarget(EngineTarget):
     """A vLLM engine (offline ``LLM`` or ``AsyncLLM``) as an explorer's model.
 
     The engine must be started with ``weight_transfer_config={"backend": "aiosync"}`` (vLLM
@@ -190,25 +153,31 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
     engine call and on a ``"wait"`` drain; a write whose call outlives it is aborted (the
     engine keeps its previous weights); only an engine that does not even answer the abort,
     or a commit that outlives twice the bound, leaves the target broken.
+
+    ``inplace``: ``False`` (default) — this class, the shadow path; ``True`` (opt-in) — a
+    :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
+    the engine's own parameters, no host copy), for an in-process ``LLM`` whose parameters can
+    be written as they are (a CPU build without oneDNN re-packing; vLLM on a GPU, untested), a
+    :class:`ConfigError` for any other engine. The in-place path has only run on a CPU, with
+    one engine rank and an offline ``LLM`` (never on a GPU or under tensor parallelism), so it
+    is never chosen unless asked for. ``statistics().path`` says which.
     """
 
+    path = "shadow"
+
+    def __new__(cls, engine: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
+        if cls is VLLMTarget and _choose_inplace(engine, inplace):
+            from .vllm_inplace import VLLMInPlaceTarget
+
+            return VLLMInPlaceTarget(engine, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
-                 clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0) -> None:
+                 clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0,
+                 inplace: bool = False) -> None:
         self.engine = engine
         self.kind = _engine_kind(engine)
-        vllm_config = engine.llm_engine.vllm_config if self.kind == "llm" else engine.vllm_config
-        wt = vllm_config.weight_transfer_config
-        if wt is None or wt.backend not in BACKENDS:
-            raise ConfigError(f"VLLMTarget: start the engine with weight_transfer_config={{'backend': '{BACKEND}'}} "
-                              f"(it has {None if wt is None else wt.backend!r}); aiosync registers that backend with "
-                              "vLLM as a plugin when it is installed")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"VLLMTarget: pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        if pause_mode == "abort" and self.kind == "llm":
-            raise ConfigError("VLLMTarget: pause_mode='abort' needs an AsyncLLM (vLLM aborts in-flight requests "
-                              "there); with an offline LLM use 'keep' or 'wait'")
-        if bucket_size <= 0 or timeout <= 0:
-            raise ConfigError("VLLMTarget: bucket_size and timeout must be positive")
+        vllm_config = check_target_args(engine, self.kind, pause_mode, bucket_size, timeout)
         model_config = vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         if tensors is None:
@@ -223,7 +192,7 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             elif not torch.equal(shadow[alias], shadow[source]):
                 raise ConfigError(f"VLLMTarget: tensors[{alias!r}] differs from tensors[{source!r}], but the engine "
                                   "ties them (tie_word_embeddings): give the weights the engine was started with")
-        self._shadow = shadow
+        self._shadow = self._tensors = shadow  # the mapping the syncers read and write
         self._engine_keys = [k for k in shadow if k not in self._aliases]
         self._check_layout(model_config.model)
         groups = _groups_of(self._engine_keys)  # vLLM's own partition: one group per decoder layer
@@ -244,17 +213,6 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
         calls = OfflineCalls if self.kind == "llm" else AsyncCalls
         self._calls = calls(engine, pause_mode, clear_cache, timeout)
 
-    @property
-    def timeout(self) -> float:
-        """The bound on every engine call (seconds); may be changed between writes."""
-        return self._calls.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        if not seconds > 0:
-            raise ConfigError(f"VLLMTarget: timeout must be positive, got {seconds!r}")
-        self._calls.timeout = seconds
-
     def _check_layout(self, model_dir: str) -> None:
         layout = checkpoint_layout(model_dir)
         if layout is None:
@@ -269,33 +227,9 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
                               f"({model_dir}): {problem}. Give the weights the engine was started with, in its "
                               "checkpoint names")
 
-    # -- the mapping the syncers read and write ------------------------------------------
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._shadow[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._shadow)
-
-    def __len__(self) -> int:
-        return len(self._shadow)
-
-    # an engine handle: equal only to itself (Mapping would compare every tensor), hashable
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
     def __repr__(self) -> str:
         return (f"VLLMTarget({type(self.engine).__name__}, {len(self)} tensors, version={self.version}, "
                 f"pause_mode={self.pause_mode!r})")
-
-    def statistics(self) -> EngineStatistics:
-        """A frozen snapshot of the counters and the state."""
-        return EngineStatistics(self.version, self.pause_mode, self.error is not None,
-                                **dataclasses.asdict(self.stats))
-
-    def close(self) -> None:
-        """Stop the engine thread of an offline ``LLM`` (the engine itself stays the caller's)."""
-        self._calls.close()
 
     # -- writes (CommitTarget) -------------------------------------------------------------
 
@@ -507,19 +441,6 @@ class VLLMTarget(Mapping[str, torch.Tensor]):
             pass
         finally:
             late.drop()  # answered by now, or given up on
-
-    # -- generation ----------------------------------------------------------------------
-
-    async def generate(self, prompts: Sequence[Any], sampling_params: Any = None) -> list[Any]:
-        """Generate for ``prompts`` (anything vLLM takes: token-id prompts, strings); returns the
-        final ``RequestOutput`` of each, in order. Each completion's ``weight_versions`` names
-        the versions that generated its tokens (:func:`output_versions`). Writes may land
-        between two engine steps (``pause_mode``); under ``explorer.lease()`` none does."""
-        if self.error is not None:
-            raise ApplyError(f"the vLLM engine target gave up after an earlier failure: {self.error}")
-        prompts = list(prompts)
-        self.stats.requests += len(prompts)
-        return await self._calls.generate(prompts, sampling_params)
 
     # -- read-back -----------------------------------------------------------------------
 

@@ -147,6 +147,10 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         self.version: int | None = None
         #: Why this backend gave up (a layer could not be put back), or ``None``.
         self.unknown: str | None = None
+        #: The in-place path (:mod:`aiosync.engines.vllm_inplace`): the receiver that writes
+        #: patches into this worker's parameters, probed on the first write, and its staged write.
+        self.receiver: Any = None
+        self.staged: Any = None
 
     # -- the engine's own layout -------------------------------------------------------
 

@@ -4,8 +4,8 @@
 Top level — the interface and what builds syncers:
 
 * :mod:`.base` — the interface (W1), the registry behind ``WeightSyncer.create`` (W2),
-  staging (F3: :class:`StagedWrite`), :class:`CommitTarget`, :class:`ReceiverHost` and
-  :class:`SyncStatistics`
+  staging (F3: :class:`StagedWrite`), :class:`CommitTarget`, :class:`RemoteTarget` (and its
+  :class:`RemoteWrite`), :class:`ReceiverHost` and :class:`SyncStatistics`
 * :mod:`.config` — the ``weight_syncer`` config group as dataclasses
 * :mod:`.factory` — :func:`create_syncer`, :func:`syncer_factory` (what a synchronizer uses)
 * :mod:`.faults` — receivers whose writes fail on purpose (simulation, tests)
@@ -27,7 +27,9 @@ Importing this package registers both implementations for ``WeightSyncer.create`
 no numba kernel (they load on first use, off the event loop).
 """
 
-from .base import CommitTarget, ReceiverHost, StagedWrite, SyncStatistics, WeightSyncer
+from .base import (
+    CommitTarget, ReceiverHost, RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer,
+)
 from .bucket.format import iter_named_tensor_buckets
 from .bucket.syncer import BucketWeightSyncer
 from .common.indexing import as_coo_2d_view, delta_decode, delta_encode, downscale_nonnegative_indices
@@ -38,8 +40,8 @@ from .factory import SyncerFactory, create_syncer, syncer_factory
 from .patch.syncer import PatchWeightSyncer
 
 __all__ = [
-    "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "CommitTarget", "ReceiverHost",
-    "SyncStatistics", "SyncerFactory",
+    "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "CommitTarget", "RemoteTarget",
+    "RemoteWrite", "ReceiverHost", "SyncStatistics", "SyncerFactory",
     "syncer_factory", "create_syncer", "WeightPatch", "EmptyWeightPatch", "CompressedWeightPatch",
     "ReceiverMetadata", "SenderHello", "as_coo_2d_view", "downscale_nonnegative_indices", "delta_encode",
     "delta_decode", "collect_param_names_need_sync", "gather_full_state", "iter_named_tensor_buckets",

@@ -22,7 +22,10 @@ Staged receiver side (F3: only the write needs the model exclusively)::
 
 A receiver model may also be a :class:`CommitTarget`: a mapping of host tensors that stand for
 weights held elsewhere (an inference engine's). A staged write then writes the mapping and
-calls its ``commit_write`` before the write counts, in the same all-or-nothing step.
+calls its ``commit_write`` before the write counts, in the same all-or-nothing step. Or it is
+a :class:`RemoteTarget`, whose weights are decoded and written where they live: a staged write
+validates what can be validated without them and hands over what it received
+(:class:`RemoteWrite`).
 
 Implementations register under their config ``type`` with a class keyword
 (``class PatchWeightSyncer(WeightSyncer, type_name="patch")``); :meth:`WeightSyncer.create`
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -119,6 +122,50 @@ class CommitTarget(Protocol):
     """
 
     async def commit_write(self, keys: Sequence[str], version: int | None) -> None: ...
+
+
+@dataclass
+class RemoteWrite:
+    """One staged write for a :class:`RemoteTarget`: what the receiver took in for it, as it
+    arrived, validated as far as it can be without the weights.
+
+    * ``version`` — the version the write brings (``None``: a bootstrap written without one).
+    * ``handshake`` — a patch handshake's state, when this write starts a new patch chain:
+      ``{"keys": [the target's keys, in its order], "synced": [ordinals patches touch],
+      "session": id or None}``; patches index ``keys`` by ordinal.
+    * ``tensors`` — whole tensors, bucket by bucket (a bootstrap or a bucket sync), written
+      before the patch.
+    * ``patch`` — the encoded patch (:class:`~aiosync.syncers.common.payloads.WeightPatch`,
+      ``CompressedWeightPatch`` or ``EmptyWeightPatch``), its header checked (version, base
+      version, session), the rest not decoded; ``None``: no patch.
+    """
+
+    version: int | None
+    handshake: dict | None = None
+    tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    patch: Any = None
+
+
+@runtime_checkable
+class RemoteTarget(Protocol):
+    """A receiver model whose weights live elsewhere and are decoded and written there (an
+    inference engine's workers, in place in their parameters): the syncers never read or
+    write its tensors.
+
+    Such a model is a ``Mapping[str, torch.Tensor]`` of *meta* tensors — its layout: names in
+    its order, shapes, dtypes, and tied names as the same tensor — with one more coroutine. A
+    staged write (:class:`StagedWrite`) awaits ``write_remote(write)`` (a :class:`RemoteWrite`)
+    instead of writing: make the weights hold what ``write`` brings, all or nothing, and return
+    the version they now hold (``write.version``). If it raises, nothing was written, and the
+    receiver keeps its version. Staging syncers (patch, bucket) call it. Whole-state
+    verification awaits ``state_digests(keys)``: the
+    :func:`~aiosync.syncers.common.integrity.state_digest` of each key's tensor as the weights
+    hold it, computed where they live.
+    """
+
+    async def write_remote(self, write: RemoteWrite) -> int | None: ...
+
+    async def state_digests(self, keys: Sequence[str]) -> dict[str, int]: ...
 
 
 @runtime_checkable

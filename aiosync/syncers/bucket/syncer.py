@@ -20,10 +20,11 @@ from ...aio import resolve_device, run_sync
 from ...dtypes import dtype_from_name, dtype_name
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes, unshare
-from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from ..base import RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     encode_shares, iter_named_tensor_buckets, seal_bucket)
 from ..config import BucketConfig
+from ..common.remote import tensor_plan
 from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
 from ..kernels.warmup import request_for
 from ..common.state_dicts import module_state_dict, select_sync_names, shared_memory
@@ -171,7 +172,7 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         generation = self._generation
         request_for(target.values())  # loaded in the background; the torch paths serve until then (L2)
         reader = BucketReader(target, min_version=self.version, require_checksum=self.config.verify_checksums)
-        plan, held, nbytes, peak = FullStateWrite(), {}, 0, 0
+        plan, held, nbytes, peak = tensor_plan(target), {}, 0, 0
         while not reader.done:
             payload = unshare(await recv_with_timeout(recv, self.config.recv_timeout, "a weight bucket"))
             tensors = await run_sync(reader.read, payload)  # validates; writes nothing
@@ -206,7 +207,11 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
         target = module_state_dict(model)
         t0 = time.perf_counter()
         with anyio.CancelScope(shield=True):  # a cancellation cannot split the write from its commit
-            changed, journal = await run_sync(self._write_sync, target, plan, rollback)
+            if isinstance(target, RemoteTarget):  # written where the weights live, all or nothing
+                await target.write_remote(RemoteWrite(version, tensors=list(plan.buckets)))
+                changed, journal = plan.changed, None
+            else:
+                changed, journal = await run_sync(self._write_sync, target, plan, rollback)
             await commit_write(model, plan.written_keys, version, journal)  # an engine behind the model
             undo = 0 if journal is None else journal.nbytes
             held = plan.nbytes

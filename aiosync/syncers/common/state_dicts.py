@@ -117,7 +117,9 @@ def alias_groups(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
         t = t.to_local() if is_dtensor(t) else t
         if t.numel() == 0:
             continue
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        storage = t.untyped_storage()  # a meta tensor has no address: its storage object names it
+        where = storage._cdata if t.is_meta else storage.data_ptr()
+        ident = (t.device, where, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if ident in seen:
             out[key] = seen[ident]
         else:

@@ -35,16 +35,17 @@ import torch
 from ...aio import resolve_device, run_sync
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes
-from ..base import StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
+from ..base import RemoteTarget, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     iter_named_tensor_buckets, seal_bucket)
 from .codecs import check_codec_available, compress_patch
 from ..config import PatchConfig
 from ..common.integrity import checksum_tensor, new_session, tensor_checksum
 from .format import TensorLayout, assemble_flat_patch, encode_patch
+from .forward import local_model, stage_patch, tensor_plan, write_remote
 from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
     receiver_metadata, sender_layouts)
-from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, prepare_patch, receiver_shards,
+from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, receiver_shards,
     write_patch)
 from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, WeightPatch
 from .shard_layout import shard_views
@@ -463,7 +464,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
         session = meta.session if hello.session is not None else None
-        shards = () if hello.shards is None else receiver_shards(state_dict, meta, hello.shards, session)
+        shards = () if hello.shards is None else receiver_shards(local_model(state_dict), meta, hello.shards, session)
         plan, nbytes = None, 0
         if hello.init_sync:
             plan, nbytes = await self._receive_bootstrap(state_dict, recv, session, shards)
@@ -486,7 +487,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
             return ShardedWrite(parts), nbytes
         reader = BucketReader(state_dict, versioned=False, session=session,
                               require_checksum=self.config.verify_checksums)
-        plan, nbytes = FullStateWrite(), 0
+        plan, nbytes = tensor_plan(state_dict), 0
         while not reader.done:
             payload = await recv_with_timeout(recv, self.config.recv_timeout, "a bootstrap bucket")
             tensors = await run_sync(reader.read, payload)
@@ -520,11 +521,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         t0 = time.perf_counter()
         target = module_state_dict(model)
         pending, generation = self._pending, self._generation
-        rx = pending.rx if pending is not None else self._rx
-        version_now = None if pending is not None else self.version
-        prepared = await run_sync(prepare_patch, payload, rx, version_now, target,
-                                  verify_checksums=self.config.verify_checksums,
-                                  defer_ctx=pending is not None and pending.plan is not None)
+        prepared = await stage_patch(self, target, payload, pending)  # a RemoteTarget: only the header is checked
         stage_s = time.perf_counter() - t0 + (pending.stage_s if pending is not None else 0.0)
         boot = pending.plan if pending is not None and pending.plan is not None else None
         held = held_bytes([payload, prepared]) + (boot.nbytes if boot is not None else 0)
@@ -547,6 +544,8 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         target = module_state_dict(model)
         rx = pending.rx if pending is not None else self._rx
         t0 = time.perf_counter()
+        if isinstance(target, RemoteTarget):
+            return await write_remote(self, target, prepared, pending, stage_s, held)
         # Written and committed as one step: a cancellation arriving while the worker thread
         # writes (it cannot be interrupted) must not leave new weights under the old version.
         with anyio.CancelScope(shield=True):

@@ -1,0 +1,259 @@
+"""A vLLM engine whose parameters are written in place: :class:`VLLMInPlaceTarget`.
+
+``VLLMTarget(llm, inplace=True)`` (opt-in; the default is the shadow target,
+:class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload)
+returns one of these when the engine is an offline ``LLM`` in this process whose parameters can
+be read and written as they are (a CPU build whose linear layers are not re-packed into oneDNN
+handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise.
+
+The target holds no weights. It is a :class:`~aiosync.syncers.base.RemoteTarget`: a mapping of
+*meta* tensors (the checkpoint's names, shapes and the engine's dtype) with
+:meth:`write_remote`, to which the syncers hand what they received, as it came — the encoded
+patch (~1 byte per changed element), or whole tensors for a bootstrap or a bucket sync. In the
+engine's worker an :class:`~aiosync.engines.inplace.EngineReceiver` (kept on the ``aiosync``
+backend) decodes it against the engine's own parameters, through an index map probed once
+through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and writes it:
+
+* **staged, the engine generating**: the patch is decoded, the old values at its positions
+  read from the parameters and checked against the sender's drift hash, the new values
+  computed (an engine call between two steps; generation is not paused);
+* **the pause**: the scatter of the new values (whole tensors through the loader), the label,
+  the prefix-cache reset. Old values are journaled: a write that raises puts them back, the
+  engine keeps its version and the syncer its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import torch
+
+from ..errors import ApplyError, ConfigError, PeerTimeoutError
+from ..messages import payload_nbytes
+from ..syncers.base import RemoteWrite
+from .layout import checkpoint_layout, tied_aliases
+from .vllm_calls import Late, OfflineCalls, ResumeFailed
+from .vllm_common import EngineStats, EngineTarget, check_target_args
+
+
+# ----------------------------------------------------------------------------- in the worker
+
+def _backend(worker: Any) -> Any:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        raise ConfigError("the vLLM worker has no weight-transfer engine: start it with "
+                          "weight_transfer_config={'backend': 'aiosync'}")
+    return engine
+
+
+def unreadable_parameter(worker: Any) -> str | None:
+    """``collective_rpc`` helper: the first parameter of the worker's model that cannot be
+    written in place (empty: re-packed into a kernel's handle; not contiguous), or ``None``."""
+    for name, p in worker.get_model().named_parameters():
+        if p.numel() == 0 or not p.is_contiguous():
+            return name
+    return None
+
+
+def probe_receiver(worker: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                   aliases: dict[str, str]) -> dict:
+    """``collective_rpc`` helper: probe the index map (the model must be idle) and keep an
+    :class:`~aiosync.engines.inplace.EngineReceiver` on the worker's backend; its statistics."""
+    from .inplace import EngineReceiver
+
+    model = worker.get_model()
+    manifest = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()}
+    backend = _backend(worker)
+    backend.receiver = EngineReceiver(model, model.load_weights, manifest, aliases=aliases)
+    backend.staged = None
+    return backend.receiver.statistics()
+
+
+def stage_write(worker: Any, write: RemoteWrite) -> None:
+    """``collective_rpc`` helper: stage ``write`` on the worker's receiver (decoded, old values
+    read, drift checked; nothing written). Raises what is wrong with it."""
+    backend = _backend(worker)
+    receiver = backend.receiver
+    if receiver is None:
+        raise ApplyError("this worker has no in-place receiver (probe_receiver never ran here)")
+    backend.staged = None
+    txn = receiver.begin(write.handshake)
+    for bucket in write.tensors:
+        receiver.add_tensors(txn, bucket, write.version)
+    if write.patch is not None:
+        receiver.add_patch(txn, write.patch)
+    elif write.version is not None:
+        txn.version = write.version
+    backend.staged = txn
+
+
+def commit_write(worker: Any) -> int | None:
+    """``collective_rpc`` helper: write the staged transaction (all or nothing)."""
+    backend = _backend(worker)
+    txn, backend.staged = backend.staged, None
+    if txn is None:
+        raise ApplyError("no staged write to commit (a stage failed, or another client staged one meanwhile)")
+    return backend.receiver.commit(txn)
+
+
+def read_checkpoint(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """``collective_rpc`` helper: the tensors ``names`` in checkpoint form, read from the
+    engine's parameters through the index map (fused, padded parameters included)."""
+    receiver = _backend(worker).receiver
+    return {n: receiver.map.whole(receiver.aliases.get(n, n)) for n in names}
+
+
+def digest_checkpoint(worker: Any, names: list[str]) -> dict[str, int]:
+    """``collective_rpc`` helper: the state digest of each tensor ``names`` in checkpoint form,
+    read from the engine's parameters through the index map, one tensor at a time."""
+    from ..syncers.common.integrity import state_digest
+
+    receiver = _backend(worker).receiver
+    return {n: state_digest(receiver.map.whole(receiver.aliases.get(n, n))) for n in names}
+
+
+def receiver_statistics(worker: Any) -> dict:
+    """``collective_rpc`` helper: the worker's receiver's statistics."""
+    return _backend(worker).receiver.statistics()
+
+
+# ----------------------------------------------------------------------------- the target
+
+def engine_parameters_readable(engine: Any) -> bool:
+    """Whether every parameter of an in-process engine can be written in place (none re-packed)."""
+    return all(name is None for name in engine.collective_rpc(unreadable_parameter))
+
+
+class VLLMInPlaceTarget(EngineTarget):
+    """A vLLM offline ``LLM`` whose parameters receive aiosync's writes in place (see the
+    module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
+    are readable; the arguments are that class's (``bucket_size`` unused).
+    ``tensors``: only their names, shapes and dtypes are used (default: the checkpoint's)."""
+
+    path = "inplace"
+
+    def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
+                 clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0) -> None:
+        vllm_config = check_target_args(engine, "llm", pause_mode, bucket_size, timeout)
+        self.engine, self.kind = engine, "llm"
+        model_config = vllm_config.model_config
+        self.dtype: torch.dtype = model_config.dtype
+        if tensors is not None:
+            specs = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+        else:
+            layout = checkpoint_layout(model_config.model)
+            if layout is None:
+                raise ConfigError(f"VLLMTarget: {model_config.model} holds no *.safetensors files to read the layout "
+                                  "from; pass tensors= (the checkpoint's tensors; meta tensors will do)")
+            specs = {k: (s.shape, s.dtype) for k, s in layout.items()}
+        specs = {k: (s, self.dtype if d is not None and d.is_floating_point else d) for k, (s, d) in specs.items()}
+        text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        self._aliases = tied_aliases(specs, bool(getattr(text_config, "tie_word_embeddings", False)))
+        meta = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()}
+        for alias, source in self._aliases.items():
+            meta[alias] = meta[source]  # one tensor: the syncers write it once
+        self._tensors = meta  # the layout
+        self._specs = {k: v for k, v in specs.items() if k not in self._aliases}
+        self.pause_mode, self.clear_cache = pause_mode, clear_cache
+        self.version: int | None = None
+        self.error: BaseException | None = None
+        self.stats = EngineStats()
+        self._probed = False
+        self._calls = OfflineCalls(engine, pause_mode, clear_cache, timeout)
+
+    def __repr__(self) -> str:
+        return f"VLLMInPlaceTarget({len(self)} tensors, version={self.version}, pause_mode={self.pause_mode!r})"
+
+    # -- writes (RemoteTarget) -------------------------------------------------------------
+
+    async def write_remote(self, write: RemoteWrite) -> int | None:
+        """Make the engine's parameters hold what ``write`` brings, labelled ``write.version``,
+        all or nothing (see the module docstring); called by the syncers' staged writes."""
+        if self.error is not None:
+            raise ApplyError(f"the vLLM engine target gave up after an earlier failure ({self.error}); the engine's "
+                             "weights are unknown: make a new engine")
+        calls = self._calls
+        with anyio.CancelScope(shield=True):
+            if not self._probed:  # the probe swaps parameters: the model must not run meanwhile
+                async with calls.lock:
+                    await calls.call(self.engine.collective_rpc, probe_receiver, args=(self._specs, self._aliases))
+                self._probed = True
+            try:  # staged between two engine steps: generation goes on
+                await calls.call(self.engine.collective_rpc, stage_write, args=(write,))
+            except PeerTimeoutError:
+                raise
+            except Exception as exc:
+                self.stats.refused += 1
+                raise ApplyError(f"the vLLM engine refused the write to version {write.version}: {exc}; nothing was "
+                                 f"written, it keeps version {self.version}") from exc
+            label = None if write.version is None else str(write.version)
+            t0 = time.perf_counter()
+            try:
+                async with calls.paused():
+                    await calls.answer(f"the in-place write of version {write.version}",
+                                       calls.submit(self._commit, label), patience=2)
+            except ResumeFailed as exc:
+                self.error = exc
+                raise ApplyError(f"{exc}: generation may stay paused") from exc
+            except Late as late:
+                late.drop()
+                self.error = PeerTimeoutError(f"{late}: it may have written or not")
+                raise self.error from None
+            except TimeoutError as exc:  # a "wait" drain
+                raise PeerTimeoutError(f"requests in flight did not finish within {self.timeout}s for the write "
+                                       "(pause_mode='wait'); nothing was written") from exc
+            except Exception as exc:
+                self.stats.refused += 1
+                raise ApplyError(f"the vLLM engine's in-place write of version {write.version} failed ({exc}); "
+                                 f"every old value was put back: it keeps version {self.version}") from exc
+            self._count(write, time.perf_counter() - t0)
+            self.version = write.version
+            return write.version
+
+    def _commit(self, label: str | None) -> None:
+        """On the engine's thread, generation paused: write, label, reset the prefix cache."""
+        self.engine.collective_rpc(commit_write)
+        if label is not None:
+            self.engine.llm_engine.set_weight_version(label)
+        if self.clear_cache:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def _count(self, write: RemoteWrite, pause_s: float) -> None:
+        s = self.stats
+        s.commits += 1
+        s.writes += 1
+        s.tensors_sent += sum(len(b) for b in write.tensors)
+        s.bytes_sent += payload_nbytes(write.tensors) + (payload_nbytes(write.patch) if write.patch is not None else 0)
+        s.last_pause_s = pause_s
+        s.max_pause_s = max(s.max_pause_s, pause_s)
+        s.total_pause_s += pause_s
+
+    # -- read-back ----------------------------------------------------------
+
+    async def read_engine(self) -> dict[str, torch.Tensor]:
+        """Every synced tensor in checkpoint form, read from the engine's own parameters through
+        the index map (fused ``qkv_proj`` / ``gate_up_proj`` and padded vocabularies included);
+        empty before the first write (the map is probed then)."""
+        if not self._probed:
+            return {}
+        async with self._calls.lock:
+            per_worker = await self._calls.call(self.engine.collective_rpc, read_checkpoint, args=(list(self._specs),))
+        return per_worker[0]
+
+    async def state_digests(self, keys: list[str]) -> dict[str, int]:
+        """The digest of each tensor ``keys`` as the engine's parameters hold it (whole-state
+        verification; :class:`~aiosync.syncers.base.RemoteTarget`), computed in the engine,
+        between two steps."""
+        if not self._probed:
+            raise ApplyError("the engine has not been written yet: there is no map to read its weights through")
+        return (await self._calls.call(self.engine.collective_rpc, digest_checkpoint, args=(list(keys),)))[0]
+
+    async def engine_statistics(self) -> dict:
+        """The engine worker's receiver: the map (tensors, runs, bytes, fallback tensors, the
+        probe's transient memory) and its writes (commits, elements, rollbacks)."""
+        if not self._probed:
+            return {}
+        return (await self._calls.call(self.engine.collective_rpc, receiver_statistics))[0]
