@@ -126,7 +126,15 @@ SCENARIOS = {
 
 #: Scenarios that run a simulation of their own: name -> module with ``simulate(explorers, *, steps,
 #: seed, loop, **overrides) -> report`` and ``summary(report) -> lines`` (imported when chosen).
-MODULES = {"links": "aiosync.cli.simulate_links"}
+MODULES = {"links": "aiosync.cli.simulate_links", "verify": "aiosync.cli.simulate_verify"}
+#: What ``aiosync simulate`` prints for the scenarios whose runs live in a module of their own
+#: but share the Scenario set-up (chaos: simulate_chaos.py, cancel: simulate_cancel.py).
+SUMMARY_KEYS = {
+    "cancel": ("scenario", "method", "cancellations", "retries", "attach_cancels", "wrong_leases", "leases",
+               "failed_after_cancel", "longest_stale_s", "exit_s", "steps", "final_bit_exact"),
+    "chaos": ("scenario", "method", "synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors",
+              "dropped", "hold_back_timeouts", "max_ahead_exceeded", "steps", "torn_reads", "final_bit_exact"),
+}
 
 
 def is_delivery(msg: Any) -> bool:
@@ -355,15 +363,11 @@ async def _simulate(sc: Scenario, n_explorers: int, seed: int) -> dict[str, Any]
 def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None = None, seed: int = 0,
              loop: str = "asyncio", **overrides: Any) -> dict[str, Any]:
     """Run a scenario and return its report (the ``--json`` content)."""
-    if scenario == "verify":  # its own runs: methods x styles (aiosync.cli.simulate_verify)
-        from .simulate_verify import simulate_verify
-
-        return simulate_verify(steps, seed, loop)
     if scenario in MODULES:
         return importlib.import_module(MODULES[scenario]).simulate(explorers, steps=steps, seed=seed, loop=loop,
                                                                    **overrides)
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join([*SCENARIOS, 'verify', *MODULES])}")
+        raise ValueError(f"unknown scenario {scenario!r}; available: {', '.join([*SCENARIOS, *MODULES])}")
     base = SCENARIOS[scenario]
     sc = Scenario(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if steps is not None:
@@ -395,7 +399,7 @@ def simulate(scenario: str = "default", explorers: int = 2, *, steps: int | None
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="what-if run of trainer, explorers and synchronizer over simulated links",
                               description="A what-if run of trainer, explorers and synchronizer over simulated transports.")
-    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, "verify", *MODULES]))
+    p.add_argument("--scenario", default="default", choices=sorted([*SCENARIOS, *MODULES]))
     p.add_argument("--explorers", type=integer(1, 64), default=2)
     p.add_argument("--steps", type=integer(1), default=None, help="train steps (default: the scenario's)")
     p.add_argument("--method", choices=["memory", "checkpoint", "nccl"], default=None)
@@ -423,34 +427,22 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.scenario == "verify":  # aiosync.cli.simulate_verify
-            from . import simulate_verify
-
-            report = simulate_verify.from_args(args)
-        else:
-            report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
-                              method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
-                              latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
-                              max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
+        report = simulate(args.scenario, args.explorers, steps=args.steps, seed=args.seed, loop=args.loop,
+                          method=args.method, style=args.style, syncer=args.syncer, no_wait=args.no_wait,
+                          latency=args.latency, bandwidth=args.bandwidth, minutes=args.minutes,
+                          max_staleness=args.max_staleness, max_ahead=args.max_ahead, batch=args.batch)
     except ValueError as exc:
         print(f"aiosync simulate: {exc}", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
-    if args.scenario == "verify":
-        return simulate_verify.print_report(report)
     if args.scenario in MODULES:
-        print("\n".join(importlib.import_module(MODULES[args.scenario]).summary(report)))
-        return 0
-    if "wrong_leases" in report:  # cancel
-        for k in ("scenario", "method", "cancellations", "retries", "attach_cancels", "wrong_leases", "leases",
-                  "failed_after_cancel", "longest_stale_s", "exit_s", "steps", "final_bit_exact"):
-            print(f"{k:<20}  {report[k]}")
-        return 0
-    if "synchronizer_errors" in report:  # chaos
-        for k in ("scenario", "method", "synchronizer_errors", "lost", "reattached", "late_calls", "late_call_errors",
-                  "dropped", "hold_back_timeouts", "max_ahead_exceeded", "steps", "torn_reads", "final_bit_exact"):
+        module = importlib.import_module(MODULES[args.scenario])
+        print("\n".join(module.summary(report)))
+        return 0 if getattr(module, "ok", lambda _: True)(report) else 1
+    if args.scenario in SUMMARY_KEYS:
+        for k in SUMMARY_KEYS[args.scenario]:
             print(f"{k:<20}  {report[k]}")
         return 0
     keys = ["scenario", "explorers", "steps", "requests", "delivered", "coalesced", "max_pending", "final_version",

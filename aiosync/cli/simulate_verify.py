@@ -25,7 +25,6 @@ whole-state verification can see it). The report counts, over all runs:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import tempfile
@@ -183,17 +182,24 @@ def simulate_verify(steps: int | None = None, seed: int = 0, loop: str = "asynci
     }
 
 
-def from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The report of ``aiosync simulate --scenario verify`` (the options of ``simulate`` that
-    apply: ``--steps``, ``--seed``, ``--loop``, ``--method``, ``--style``)."""
-    return simulate_verify(args.steps, args.seed, args.loop, methods=[args.method] if args.method else METHODS,
-                           styles=[args.style] if args.style else STYLES)
+def simulate(explorers: int = 2, *, steps: int | None = None, seed: int = 0, loop: str = "asyncio",
+             method: str | None = None, style: str | None = None, **_: Any) -> dict[str, Any]:
+    """``aiosync simulate --scenario verify``: every method × style (``method``/``style`` narrow it;
+    the scenario sets its own explorers). Returns the report."""
+    return simulate_verify(steps, seed, loop, methods=[method] if method else METHODS,
+                           styles=[style] if style else STYLES)
 
 
-def print_report(report: dict[str, Any]) -> int:
-    """Print the summary; the exit status says whether every check held."""
+def summary(report: dict[str, Any]) -> list[str]:
+    """The lines ``aiosync simulate`` prints."""
+    out = []
     for key in ("runs", "injected", "detected", "repaired", "wrong_leases_undetected", "verify_overhead",
                 "final_bit_exact", "checks", "leases", "wrong_leases", "verify_state"):
         value = report[key]
-        print(f"{key:<24}  {value:.4f}" if isinstance(value, float) else f"{key:<24}  {value}")
-    return 0 if report["final_bit_exact"] and report["wrong_leases_undetected"] == 0 else 1
+        out.append(f"{key:<24}  {value:.4f}" if isinstance(value, float) else f"{key:<24}  {value}")
+    return out
+
+
+def ok(report: dict[str, Any]) -> bool:
+    """Whether every check held (the command's exit status)."""
+    return bool(report["final_bit_exact"] and report["wrong_leases_undetected"] == 0)
