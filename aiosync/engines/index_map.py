@@ -157,9 +157,29 @@ class IndexMap:
 
         return as_bits(self.params[index].data.view(-1))
 
-    def gather(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, name: str, positions: torch.Tensor) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """Where the sorted ``positions`` (int64, CPU) of ``name`` live, per run table (a
+        replicated element is in several): ``[(parameter index, indices into positions, flat
+        offsets in the parameter)]``, all on the CPU. One search per table: :meth:`gather` and
+        :meth:`places` take its answer instead of searching again."""
+        out = []
+        for table in self.tensors[name].tables:
+            found, pid, off = table.locate(positions)
+            idx = torch.nonzero(found).reshape(-1)
+            if not idx.numel():
+                out.append([])
+            elif bool((pid == pid[0]).all()):  # the common case: one parameter
+                out.append([(int(pid[0]), idx, off)])
+            else:
+                out.append([(p, idx[pid == p], off[pid == p]) for p in torch.unique(pid).tolist()])
+        return out
+
+    def gather(self, name: str, positions: torch.Tensor,
+               located: list[list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(held, old bits)``: which of the sorted ``positions`` of ``name`` this worker holds,
-        and their bits, read from the parameters (or from the copy of a fallback tensor)."""
+        and their bits, read from the parameters (or from the copy of a fallback tensor);
+        ``located``: :meth:`locate`'s answer for these positions, if known."""
         from ..syncers.common.bits import as_bits
 
         tmap = self.tensors[name]
@@ -167,16 +187,13 @@ class IndexMap:
             return torch.ones_like(positions, dtype=torch.bool), as_bits(tmap.copy.view(-1))[positions]
         held = torch.zeros_like(positions, dtype=torch.bool)
         out = torch.empty(positions.numel(), dtype=_bits_dtype(tmap.dtype))
-        for table in tmap.tables:
-            found, pid, off = table.locate(positions)
-            idx = torch.nonzero(found).reshape(-1)
-            fresh = ~held[idx]
-            idx, pid, off = idx[fresh], pid[fresh], off[fresh]
-            for p in torch.unique(pid).tolist():
-                sel = pid == p
+        for hits in self.locate(name, positions) if located is None else located:
+            for p, idx, off in hits:
+                fresh = ~held[idx]
+                idx, off = idx[fresh], off[fresh]
                 flat = self.flat(p)
-                out[idx[sel]] = flat[off[sel].to(flat.device)].cpu()
-            held[idx] = True
+                out[idx] = flat[off.to(flat.device)].cpu()
+                held[idx] = True
         return held, out[held]
 
     def whole(self, name: str) -> torch.Tensor:
@@ -200,14 +217,7 @@ class IndexMap:
         """Every place the sorted ``positions`` of ``name`` are written to, per parameter of every
         table (a replicated element has several): ``(parameter index, flat offsets on its
         device, indices into positions)``."""
-        out = []
-        for table in self.tensors[name].tables:
-            found, pid, off = table.locate(positions)
-            idx = torch.nonzero(found).reshape(-1)
-            for p in torch.unique(pid).tolist():
-                sel = pid == p
-                out.append((p, off[sel].to(self.params[p].device), idx[sel]))
-        return out
+        return [(p, off.to(self.params[p].device), idx) for hits in self.locate(name, positions) for p, idx, off in hits]
 
     def statistics(self) -> dict:
         """Plain numbers for a report: tensors, runs, bytes, fallback tensors, probe memory."""
