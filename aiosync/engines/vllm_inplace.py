@@ -15,8 +15,9 @@ backend) decodes it against the engine's own parameters, through an index map pr
 through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and writes it:
 
 * **staged, the engine generating**: the patch is decoded, the old values at its positions
-  read from the parameters and checked against the sender's drift hash, the new values
-  computed (an engine call between two steps; generation is not paused);
+  read from the parameters and checked against the sender's drift hash, the new values and
+  their parameter offsets computed — on a thread of the target's own, beside the engine's
+  steps (it only reads the parameters; the engine's thread is not held);
 * **the pause**: the scatter of the new values (whole tensors through the loader), the label,
   the prefix-cache reset. Old values are journaled: a write that raises puts them back, the
   engine keeps its version and the syncer its own.
@@ -24,6 +25,8 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -163,6 +166,9 @@ class VLLMInPlaceTarget(EngineTarget):
         self.stats = EngineStats()
         self._probed = False
         self._calls = OfflineCalls(engine, pause_mode, clear_cache, timeout)
+        #: Staging runs here, not on the engine's thread: steps go on meanwhile (it reads only).
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, "aiosync-vllm-stage")
+        self._writing = anyio.Lock()  # one write at a time: the worker keeps one staged write
 
     def __repr__(self) -> str:
         return f"VLLMInPlaceTarget({len(self)} tensors, version={self.version}, pause_mode={self.pause_mode!r})"
@@ -175,14 +181,32 @@ class VLLMInPlaceTarget(EngineTarget):
         if self.error is not None:
             raise ApplyError(f"the vLLM engine target gave up after an earlier failure ({self.error}); the engine's "
                              "weights are unknown: make a new engine")
+        async with self._writing:
+            return await self._write(write)
+
+    def close(self) -> None:
+        """Stop the engine thread and the staging thread (the engine itself stays the caller's)."""
+        super().close()
+        self._stager.shutdown(wait=True)
+
+    async def _stage(self, write: RemoteWrite) -> None:
+        """Stage ``write`` on the worker's receiver, on the staging thread, bounded by ``timeout``."""
+        pending = asyncio.wrap_future(self._stager.submit(self.engine.collective_rpc, stage_write, args=(write,)))
+        try:
+            await self._calls.answer(f"the staging of version {write.version}", pending)
+        except Late as late:
+            late.drop()
+            raise PeerTimeoutError(str(late)) from None
+
+    async def _write(self, write: RemoteWrite) -> int | None:
         calls = self._calls
         with anyio.CancelScope(shield=True):
             if not self._probed:  # the probe swaps parameters: the model must not run meanwhile
                 async with calls.lock:
                     await calls.call(self.engine.collective_rpc, probe_receiver, args=(self._specs, self._aliases))
                 self._probed = True
-            try:  # staged between two engine steps: generation goes on
-                await calls.call(self.engine.collective_rpc, stage_write, args=(write,))
+            try:  # staged beside the engine's steps: generation goes on
+                await self._stage(write)
             except PeerTimeoutError:
                 raise
             except Exception as exc:
