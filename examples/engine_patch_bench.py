@@ -19,7 +19,10 @@ target, ``rss_delta_without_target``: trainer, explorer and engine share this pr
 the trainer's side allocates a new copy per published version; after a warm-up run, with the
 trainer and a plain explorer attached and synced once), ``held_bytes`` (what the explorer's side keeps between syncs: the index map, or the
 host copy), ``bit_exact`` (every engine parameter, bit for bit, equals what the model's own
-``load_weights`` makes of the trainer's weights).
+``load_weights`` makes of the trainer's weights), ``reinits`` and ``failed`` (re-bootstraps and
+failed deliveries after the first sync: a write the engine got wrong is caught by the
+synchronizer's verification and repaired by a re-bootstrap — ``bit_exact`` then holds, these do
+not stay 0).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
         explorer = None if target is None else await sync.attach_explorer("vllm", target)
         if target is not None:
             line = sync.explorers["vllm"].line.stats
-            boot, boot_patch = target.statistics(), line.bytes_sent
+            boot, boot_patch, boot_reinits, boot_failed = target.statistics(), line.bytes_sent, line.reinits, line.failed
         extra = None
         for v in range(2, steps + 2):
             await anyio.to_thread.run_sync(stepper.step)
@@ -125,7 +128,8 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
     target.close()
     return {"pause_s_mean": (stats.total_pause_s - boot.total_pause_s) / steps,
             "bytes_to_engine": (stats.bytes_sent - boot.bytes_sent) / steps, "patch_bytes": patch_bytes,
-            "rss_delta": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path}
+            "rss_delta": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path,
+            "reinits": line.reinits - boot_reinits, "failed": line.failed - boot_failed}
 
 
 def main(argv: list[str] | None = None) -> dict:
