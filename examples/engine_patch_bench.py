@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         stepper = MaskedAdamW(trainer_model, args.density, args.vocab)
         report: dict = {"params": params, "model_bytes": 4 * params, "density": args.density}
         anyio.run(run_path, llm, trainer_model, stepper, True, 1)  # warm-up: kernels compiled, optimizer state made
+        anyio.run(run_path, llm, trainer_model, stepper, None, 1)  # and what the warm-up left freed before the baseline
         baseline = anyio.run(run_path, llm, trainer_model, stepper, None, args.steps)["rss_delta"]
         report["rss_delta_without_target"] = baseline
         for name, inplace in (("inplace", True), ("shadow", False)):  # the shadow reads the checkpoint

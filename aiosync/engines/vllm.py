@@ -109,19 +109,20 @@ def _choose_inplace(engine: Any, inplace: bool | str) -> bool:
                           f"(the shadow path, the default), got {inplace!r}")
     if not inplace:
         return False
-    if _engine_kind(engine) != "llm":
-        if inplace == "auto":
-            return False
-        raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
-                          "workers run in another process; in-place writes there are not implemented yet)")
-    from .vllm_inplace import engine_parameters_readable
+    from .vllm_inplace import engine_parameters_readable, fall_back
 
-    if not engine_parameters_readable(engine):
-        if inplace == "auto":
-            return False
-        raise ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
-                          "linear layers), which cannot be written in place; use the default (inplace=False)")
-    return True
+    if _engine_kind(engine) != "llm":
+        error = ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
+                            "workers run in another process; in-place writes there are not implemented yet)")
+    elif not engine_parameters_readable(engine):
+        error = ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
+                            "linear layers), which cannot be written in place; use the default (inplace=False)")
+    else:
+        return True
+    if inplace != "auto":
+        raise error
+    fall_back(error)
+    return False
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
