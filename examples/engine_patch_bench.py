@@ -41,6 +41,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the offline LLM 
 import anyio  # noqa: E402
 import torch  # noqa: E402
 
+from aiosync import run_sync  # noqa: E402
 from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 
@@ -102,7 +103,8 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
         await trainer.sync_weight(1)
         assert await reference.sync_weight() == 1
         before = rss_bytes()
-        target = None if inplace is None else VLLMTarget(llm, inplace=inplace)
+        # made off the event loop: it probes the engine's loader (in place) or reads the checkpoint (shadow)
+        target = None if inplace is None else await run_sync(VLLMTarget, llm, inplace=inplace)
         explorer = None if target is None else await sync.attach_explorer("vllm", target)
         if target is not None:
             line = sync.explorers["vllm"].line.stats
