@@ -52,6 +52,7 @@ from ..errors import ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutE
 from ..syncers.base import recv_with_timeout
 from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
+from ..syncers.patch.shards_direct import PartCache
 from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
 from .protocol import ShardClose, ShardGo, ShardServe
@@ -72,7 +73,9 @@ def _names(model: Any, names: Iterable[str] | None) -> list[str]:
 
 class ShardPeer:
     """A rank of a sharded trainer that does not run the synchronizer: serves the commands of
-    the rank that does, over ``transport`` (see the module docstring).
+    the rank that does, over ``transport`` (see the module docstring). ``routes``: a channel
+    to each explorer — direct routes: this rank's parts go straight to the explorers, which
+    fetch them (their ``Explorer(shard_routes=...)``); the synchronizer's rank forwards refs only.
 
     ``model``: the rank's module (its state dict holds DTensors) or a mapping of its pieces
     (DTensors, :class:`~aiosync.checkpoints.TensorSlice`). ``rank``: its shard's index among
@@ -81,7 +84,8 @@ class ShardPeer:
     """
 
     def __init__(self, model: Any, transport: Transport, *, rank: int | None = None,
-                 names: Iterable[str] | None = None, timeout: float = 600.0) -> None:
+                 names: Iterable[str] | None = None, timeout: float = 600.0,
+                 routes: Iterable[Transport] | None = None) -> None:
         if rank is None:
             import torch.distributed as dist
 
@@ -97,6 +101,10 @@ class ShardPeer:
         self.error: BaseException | None = None
         self.server = ShardServer(rank, lambda: module_state_dict(self.model), _names(model, names), transport.send,
                                   lambda: self.step)
+        #: Direct routes: a channel to each explorer (:mod:`aiosync.syncers.patch.shards_direct`).
+        self.routes = list(routes) if routes is not None else None
+        if self.routes is not None:
+            self.server.cache = PartCache(rank, timeout=timeout)
         self._go = 0
         self._serving = anyio.Event()
         self._changed = anyio.Event()
@@ -119,6 +127,8 @@ class ShardPeer:
         await self._tg.__aenter__()
         self._serving.set()  # before the first step: the weights do not change yet
         self._tg.start_soon(self._read)
+        for route in self.routes or ():
+            self._tg.start_soon(self.server.cache.serve, route.send, route.recv)
         return self
 
     async def step_done(self) -> None:
