@@ -196,7 +196,7 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
     held = 0
     published: dict[int, float] = {}
     late_joined = 0
-    fetcher = shard_routes(args, group)  # for explorers in this process
+    fetcher = shard_routes(args, group, here=not remote)  # for explorers in this process
     async with Synchronizer(config, ws) as sync:
         trainer = await sync.attach_trainer(model, shard_peers=peers)
         sync.source.listeners.append(lambda event, v: published.setdefault(v, time.time())
@@ -225,6 +225,7 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
             await trainer.stop()
         builds, build_s = shards.builds - builds0, (shards.build_s - build_s0) / args.steps
         lost = sorted(n for n, s in sync.explorers.items() if s.lost)
+    await fetcher.aclose()  # the other ranks stop serving this process's routes
     m = sync.metrics()
     print(json.dumps({"rank0": {"fanout": m["fanout"], "relayed_bytes": shards.relayed_bytes,
                                 "relayed_peak": shards.relayed_peak, "shard_peak_bytes": shards.peak_bytes,
@@ -237,10 +238,10 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
             "patch_bytes": shards.patch_bytes, "packet_bytes": fetcher.packet_bytes}
 
 
-def shard_routes(args, group) -> ShardRoutes:
-    """An explorer process's channels to every trainer rank but 0 (direct routes), or none (relayed:
-    it only counts what arrives from rank 0)."""
-    ranks = range(1, args.ranks) if args.routes == "direct" else ()
+def shard_routes(args, group, here: bool = True) -> ShardRoutes:
+    """An explorer process's channels to every trainer rank but 0 (direct routes), or none (relayed,
+    or no explorer ``here``: it only counts what arrives from rank 0)."""
+    ranks = range(1, args.ranks) if args.routes == "direct" and here else ()
     return ShardRoutes({r: group.transport(r, tag=ROUTE_TAG) for r in ranks}, timeout=args.timeout)
 
 
@@ -267,6 +268,7 @@ async def run_explorer(args, group: WeightSyncGroup, k: int) -> dict:
                 await anyio.to_thread.run_sync(lambda: model(idx).argmax(-1))
             await ex.step_done()
     arrived.setdefault(ex.version, time.time())
+    await fetcher.aclose()
     return {"explorer": f"x{k}", "late": bool(late), "arrived": arrived, "version": ex.version,
             "state": ex.slot.model.state_dict(), "packet_bytes": fetcher.packet_bytes}
 

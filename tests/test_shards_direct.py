@@ -89,6 +89,8 @@ async def run(steps: int, *, direct: bool, explorers: int = 2, answer=None):
                     gates[v].set()
                     await trainer.step_done()
                 await trainer.stop()
+            for f in fetchers:  # goodbye on every route: the peers leave
+                await f.aclose()
     return sync, found, peers, fetchers
 
 

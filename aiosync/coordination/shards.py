@@ -127,9 +127,17 @@ class ShardPeer:
         await self._tg.__aenter__()
         self._serving.set()  # before the first step: the weights do not change yet
         self._tg.start_soon(self._read)
+        self._routes_open = len(self.routes or ())
         for route in self.routes or ():
-            self._tg.start_soon(self.server.cache.serve, route.send, route.recv)
+            self._tg.start_soon(self._serve_route, route)
         return self
+
+    async def _serve_route(self, route: Transport) -> None:
+        try:
+            await self.server.cache.serve(route.send, route.recv)
+        finally:
+            self._routes_open -= 1
+            self._notify()
 
     async def step_done(self) -> None:
         """The end of one train step on this rank: carry out rank 0's commands for this step,
@@ -160,6 +168,10 @@ class ShardPeer:
                 self._serving.set()
                 with anyio.move_on_after(self.timeout):
                     while not self.closed:
+                        await self._changed.wait()
+            if exc[0] is None:  # every explorer's process says goodbye: nothing is left posted
+                with anyio.move_on_after(self.timeout):
+                    while self._routes_open:
                         await self._changed.wait()
         finally:
             self._tg.cancel_scope.cancel()

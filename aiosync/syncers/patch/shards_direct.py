@@ -19,7 +19,10 @@ synchronizer repairs that explorer as for any failed delivery.
   last ``keep`` versions of each lineage, like the synchronizer's packet cache) and answers each
   explorer's :class:`ShardFetch` from it (:meth:`PartCache.serve`). A bootstrap bucket waits in
   the cache until its explorer fetched it (bounded), so a rank holds about one bucket at a time.
-* An explorer's side: ``Explorer(..., shard_routes=ShardRoutes({rank: transport to that rank}))``.
+* An explorer's side: ``Explorer(..., shard_routes=routes)`` inside ``async with
+  ShardRoutes({rank: transport to that rank}) as routes`` — leaving it tells every rank this
+  process is done, so that no receive is left posted on either side (gloo aborts a process that
+  exits with one).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from ..common.payloads import ShardedPatch, ShardFetch, ShardPart, ShardRef, Sta
 log = logging.getLogger("aiosync.sync")
 
 _GONE = (EndOfStream, TransportError, ClosedResourceError)
+#: The key of the fetch an explorer's process sends last on each route (:meth:`ShardRoutes.aclose`).
+BYE = ""
 
 
 @dataclass(eq=False)
@@ -116,13 +121,16 @@ class PartCache:
         return ShardPart(fetch.id, fetch.key, part)
 
     async def serve(self, send: SendFn, recv: RecvFn) -> None:
-        """Answer one explorer's fetches until its channel ends (an explorer that dies ends only this)."""
+        """Answer one explorer's fetches until it says it is done (:data:`BYE`) or its channel ends
+        (an explorer that dies ends only this). Nothing is left posted after a goodbye."""
         while True:
             try:
                 fetch = await recv()
             except PeerTimeoutError:
                 continue  # idle
             except _GONE:
+                return
+            if isinstance(fetch, ShardFetch) and fetch.key == BYE:
                 return
             try:
                 await send(self.answer(fetch))
@@ -158,6 +166,22 @@ class ShardRoutes:
         self.retries_made = 0
         self.missing = 0
         self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> "ShardRoutes":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Tell every rank this process fetches no more (bounded by ``timeout``, quiet)."""
+        with anyio.move_on_after(self.timeout, shield=True):
+            for rank, route in self.routes.items():
+                try:
+                    async with route.lock:
+                        await route.send(ShardFetch(0, BYE))
+                except (*_GONE, PeerTimeoutError) as exc:
+                    log.debug("aiosync: could not tell shard rank %d goodbye: %s", rank, exc)
 
     async def fetch(self, ref: ShardRef) -> Any:
         """The part ``ref`` names, from its rank alone; :class:`PayloadError` naming the rank
