@@ -7,8 +7,8 @@ CPU; real AdamW steps at an RL learning rate). Rank 0 runs the :class:`aiosync.S
 (NCCL method: syncs at the trainer's check points; patch sync every step, trainer-driven,
 ``sync_weight_no_wait``) and attaches the trainer with ``shard_peers``; every other rank runs a
 :class:`~aiosync.coordination.shards.ShardPeer`. Each rank keeps the snapshot of its own
-shard, diffs and encodes its own shard's patch, and rank 0 relays the other ranks' patches
-(tiny next to the shards) to the explorers. The explorers (``--explorers``, bfloat16 copies that
+shard, diffs and encodes its own shard's patch and sends it straight to every explorer (direct
+routes: rank 0 forwards a ref in its place and relays nothing; ``--routes relay``: through rank 0). The explorers (``--explorers``, bfloat16 copies that
 roll out while the trainer trains) live in rank 0's process — the same processes as the trainer
 (explorers in other processes: ``examples/distributed_sync.py`` and the tests).
 
@@ -25,6 +25,10 @@ the same rows of its copy; the hashes meet on rank 0, which writes (``--json``) 
 * ``sender_sync_bytes_per_rank``: the most bytes any rank held for syncs (its shard's
   snapshot, the builder's scratch; on rank 0 also the packets the fan-out keeps and the largest
   relayed payload), next to ``full_snapshot_bytes``, the snapshot of the whole model.
+
+The report adds ``routes``, ``relayed_bytes`` (other ranks' bytes rank 0 sent on: 0 with direct
+routes), and per rank ``rank_patch_bytes`` (its patches, each encoded once) and ``rank_sent_bytes``
+(what it sent the explorers: about ``explorers ×`` its patches).
 
 ``--mode gather`` runs the old way for comparison (every rank gathers the full state each step,
 rank 0 syncs it); more figures go to stderr.

@@ -3,9 +3,10 @@
 What one version costs on the network when a sharded trainer of ``--ranks`` ranks syncs
 ``--params`` parameters to ``--engines`` engines, every process behind one link of the given
 bandwidth (full duplex) and one-way latency. The patch size is not assumed: real patches are built
-here (:class:`~aiosync.syncers.patch.syncer.PatchWeightSyncer`, the configured encoding) on a
-tensor of ``--measure-elements`` fp32 values of which a fraction ``--density`` changes in its
-bfloat16 image, and the bytes per parameter measured there scale to the model.
+here (:class:`~aiosync.syncers.patch.syncer.PatchWeightSyncer`, flat + zstd) on a tensor of 8 M
+fp32 values of which a random fraction (the density) moves one bfloat16 ulp up or down — what an
+RL step at a small learning rate does to a changed weight — and the bytes per parameter measured
+there scale to the model.
 
 The two routes, as aiosync builds them (:mod:`aiosync.syncers.patch.shards_direct`):
 
@@ -64,7 +65,7 @@ def route_times(params: float, bytes_per_param: float, ranks: int, engines: int,
 
 async def measure(elements: int, density: float, seed: int = 0, syncer: dict | None = None) -> dict[str, Any]:
     """Bytes per parameter of a real patch at ``density``: ``elements`` fp32 values (rows of 1024)
-    sent to a bfloat16 receiver; a random ``density`` of them changes in bfloat16."""
+    sent to a bfloat16 receiver; a random ``density`` of them moves one bfloat16 ulp up or down."""
     if not 0 < density <= 1:
         raise ValueError(f"--density {density} must be in (0, 1]")
     cols = 1024
@@ -86,7 +87,10 @@ async def measure(elements: int, density: float, seed: int = 0, syncer: dict | N
     n = rows * cols
     changed = torch.randperm(n, generator=g)[: max(1, int(n * density))]
     flat = state["w"].view(-1)
-    flat[changed] *= 1.0 + 2.0 ** -5  # visible in bfloat16 (8 bits of mantissa)
+    # an RL step at a small learning rate moves a changed weight by about one bfloat16 ulp, up or down
+    step = torch.randint(0, 2, (changed.numel(),), generator=g, dtype=torch.int16) * 2 - 1
+    bits = flat[changed].to(torch.bfloat16).view(torch.int16) + step
+    flat[changed] = bits.view(torch.bfloat16).float()
     sent.clear()
     t0 = time.perf_counter()
     await sender.sync(state, send, 1)
