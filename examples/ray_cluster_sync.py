@@ -249,7 +249,8 @@ async def run(args: argparse.Namespace, cluster: Cluster, workers: list) -> dict
             "trainer_max_wait_s": round(trained["trainer_max_wait_s"], 3), "sync_timeout": args.sync_timeout,
             "seconds": round(time.perf_counter() - t0, 2),
             "on_removed_node": on_victim, "lost": trained["lost"],
-            "final_nodes": {n: r.value["node"][:8] for n, r in results.items()}}
+            "final_nodes": {n: r.value["node"][:8] for n, r in results.items()},
+            "surviving_nodes": sorted(w.node_id for w in workers if removed_at and w.node_id != victim_node)}
 
 
 def main(argv: list[str] | None = None) -> int:
