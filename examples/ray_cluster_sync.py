@@ -24,7 +24,11 @@ declared lost; Ray restarts the actors on a surviving node, the driver calls the
      "sync_timeout": ..., "seconds": ...}
 
 ``lost_detect_s``: from the node's removal to the last of its explorers declared lost by rank 0;
-``trainer_max_wait_s``: the longest ``step_done()`` of rank 0 (training excluded).
+``trainer_max_wait_s``: the longest ``step_done()`` of rank 0 (training excluded). Direct routes
+by default (``--routes relay``: through rank 0): every explorer actor opens a Ray channel to every
+rank but 0 when it joins (again after a restart), and the report adds ``relayed_bytes`` (0),
+``rank_patch_bytes`` and ``rank_sent_bytes`` (rank 0: the sync packets the explorers' last
+incarnations received from it; the others: the parts every explorer fetched from them).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ray.cluster_utils import Cluster
 from aiosync.checkpoints import TensorSlice
 from aiosync.coordination.shards import ShardPeer
 from aiosync.integrations.ray import ExplorerActor, TrainerActor, call_with_restarts
+from aiosync.syncers.patch.shards_direct import ShardRoutes
 from aiosync.transports.ray import RayChannel, RayEndpoint
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd",
@@ -166,22 +171,41 @@ class Rank0(_Rank, TrainerActor):
             tg.cancel_scope.cancel()
         served = self.serving_statistics()
         return {"digest": digest(full(steps)), "version": handle.version, "rejoins": served.rejoins,
-                "joins": served.joins, "trainer_max_wait_s": max(waits), "lost": sorted(self.lost_at)}
+                "joins": served.joins, "trainer_max_wait_s": max(waits), "lost": sorted(self.lost_at),
+                "relayed_bytes": sync.shards.relayed_bytes, "patch_bytes": sync.shards.patch_bytes}
 
 
 @ray.remote(num_cpus=0, resources={"trainer": 1})
 class RankN(_Rank, RayEndpoint):
-    async def run(self, rank0, steps: int, timeout: float) -> dict:
+    def __init__(self, rank: int, ranks: int) -> None:
+        super().__init__(rank, ranks)
+        self.peer: ShardPeer | None = None
+        self._entered = anyio.Event()
+
+    async def route_connect(self, explorer, channel: str, timeout: float) -> None:
+        """An explorer actor opens its direct route to this rank (at every join, restarts included)."""
+        with anyio.fail_after(timeout):
+            await self._entered.wait()
+        ch = RayChannel(explorer, channel, timeout=timeout)
+        ch.watch()
+        self.peer.serve_route(ch)
+
+    async def run(self, rank0, steps: int, timeout: float, direct: bool) -> dict:
         channel = RayChannel(rank0, timeout=timeout)
         await rank0.shard_connect.remote(ray.get_runtime_context().current_actor, channel.channel, timeout)
         channel.watch()
-        async with ShardPeer(self.pieces, channel, rank=self.rank, names=list(self.state), timeout=timeout) as peer:
+        self.peer = ShardPeer(self.pieces, channel, rank=self.rank, names=list(self.state), timeout=timeout,
+                              routes=[] if direct else None)
+        async with self.peer as peer:
+            self._entered.set()
             with anyio.fail_after(timeout):  # serving the explorers' joins meanwhile (before its first step)
                 await rank0.wait_started.remote()
             for step in range(1, steps + 1):
                 await anyio.to_thread.run_sync(self.train_step, step)
                 await peer.step_done()
-        return {"rank": self.rank, "builds": peer.server.builds}
+        cache = peer.server.cache
+        return {"rank": self.rank, "builds": peer.server.builds, "patch_bytes": peer.server.patch_bytes,
+                "sent_patch_bytes": None if cache is None else cache.sent_patch_bytes}
 
 
 @ray.remote(num_cpus=0, max_restarts=1, resources={"explorer": 1})
@@ -193,16 +217,24 @@ class Rollout(ExplorerActor):
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    async def run(self, trainer, step_pause: float, timeout: float) -> dict:
+    async def run(self, trainer, ranks: list, step_pause: float, timeout: float) -> dict:
         model = {k: torch.zeros(v.shape, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype)
                  for k, v in full(0).items()}
-        async with self.explorer(trainer, self.name, model, connect_timeout=timeout, timeout=timeout) as explorer:
+        me = ray.get_runtime_context().current_actor
+        channels = {r: RayChannel(actor, timeout=timeout) for r, actor in enumerate(ranks, start=1)}
+        for r, ch in channels.items():  # direct routes: a channel to every rank but 0
+            await ranks[r - 1].route_connect.remote(me, ch.channel, timeout)
+            ch.watch()
+        async with ShardRoutes(channels, timeout=timeout) as routes, \
+                self.explorer(trainer, self.name, model, connect_timeout=timeout, timeout=timeout,
+                              shard_routes=routes if ranks else None) as explorer:
             while not explorer.trainer_stopped:
                 async with explorer.lease():
                     pass  # a rollout would run here, on one whole version
                 await explorer.step_done()
                 await anyio.sleep(step_pause)
-        return {"digest": digest(model), "version": explorer.version, "node": self.node()}
+        return {"digest": digest(model), "version": explorer.version, "node": self.node(),
+                "fetched": dict(routes.received_bytes), "packet_bytes": routes.packet_bytes}
 
 
 async def run(args: argparse.Namespace, cluster: Cluster, workers: list) -> dict:
@@ -220,14 +252,15 @@ async def run(args: argparse.Namespace, cluster: Cluster, workers: list) -> dict
     removed_at = None
 
     async def explore(name: str) -> None:
-        results[name] = await call_with_restarts(explorers[name], "run", rank0, args.step_pause, args.timeout,
+        routed = others if args.routes == "direct" else []
+        results[name] = await call_with_restarts(explorers[name], "run", rank0, routed, args.step_pause, args.timeout,
                                                  max_restarts=1, restart_timeout=args.timeout)
 
     with anyio.fail_after(4 * args.timeout):
         async with anyio.create_task_group() as tg:
             training = rank0.train.remote(args.steps, args.explorers, config,
                                           len(on_victim) if args.remove_node_at else 0, args.timeout, args.step_pause)
-            shard_runs = [r.run.remote(rank0, args.steps, args.timeout) for r in others]
+            shard_runs = [r.run.remote(rank0, args.steps, args.timeout, args.routes == "direct") for r in others]
             for name in names:
                 tg.start_soon(explore, name)
             if args.remove_node_at:
@@ -236,8 +269,7 @@ async def run(args: argparse.Namespace, cluster: Cluster, workers: list) -> dict
                 removed_at = time.time()
                 cluster.remove_node(node)
             trained = await training
-            for ref in shard_runs:
-                await ref
+            shard_results = [await ref for ref in shard_runs]
     lost = await rank0.lost_times.remote()
     detect = [lost[n] - removed_at for n in on_victim if n in lost] if removed_at else []
     bit_exact = all(r.value["digest"] == trained["digest"] and r.value["version"] == trained["version"]
@@ -247,7 +279,11 @@ async def run(args: argparse.Namespace, cluster: Cluster, workers: list) -> dict
             "explorers_restarted": sum(r.restarts for r in results.values()), "rejoined": trained["rejoins"],
             "lost_detect_s": round(max(detect), 3) if detect else None,
             "trainer_max_wait_s": round(trained["trainer_max_wait_s"], 3), "sync_timeout": args.sync_timeout,
-            "seconds": round(time.perf_counter() - t0, 2),
+            "seconds": round(time.perf_counter() - t0, 2), "routes": args.routes,
+            "relayed_bytes": trained["relayed_bytes"],
+            "rank_patch_bytes": [trained["patch_bytes"]] + [r["patch_bytes"] for r in shard_results],
+            "rank_sent_bytes": [sum(r.value["packet_bytes"] for r in results.values())]
+            + [r["sent_patch_bytes"] for r in shard_results],
             "on_removed_node": on_victim, "lost": trained["lost"],
             "final_nodes": {n: r.value["node"][:8] for n, r in results.items()},
             "surviving_nodes": sorted(w.node_id for w in workers if removed_at and w.node_id != victim_node)}
@@ -265,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                         "delivery_timeout: the longest the trainer waits on an explorer")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound on every other wait")
     parser.add_argument("--step-pause", type=float, default=0.3, help="seconds each loop yields per step")
+    parser.add_argument("--routes", choices=("direct", "relay"), default="direct",
+                        help="direct: every rank sends its own parts to the explorers; relay: through rank 0")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     args = parser.parse_args(argv)
     if args.nodes < 3 and args.remove_node_at:

@@ -27,3 +27,5 @@ def test_explorers_on_a_removed_node_are_lost_restarted_elsewhere_and_rejoin(tmp
     assert result["explorers_restarted"] == result["rejoined"] == len(victims)
     assert set(result["final_nodes"].values()) == {n[:8] for n in result["surviving_nodes"]}  # restarted elsewhere
     assert result["trainer_max_wait_s"] <= result["sync_timeout"]  # the bound the trainer waits under
+    assert result["routes"] == "direct" and result["relayed_bytes"] == 0  # rank 1's parts went straight out
+    assert result["rank_sent_bytes"][1] > 0

@@ -109,6 +109,7 @@ class ShardPeer:
         self._serving = anyio.Event()
         self._changed = anyio.Event()
         self._tg: Any = None
+        self._routes_open = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -127,10 +128,19 @@ class ShardPeer:
         await self._tg.__aenter__()
         self._serving.set()  # before the first step: the weights do not change yet
         self._tg.start_soon(self._read)
-        self._routes_open = len(self.routes or ())
         for route in self.routes or ():
-            self._tg.start_soon(self._serve_route, route)
+            self.serve_route(route)
         return self
+
+    def serve_route(self, route: Transport) -> None:
+        """Serve one more explorer's direct route (an explorer that joins later, or came back on a
+        new channel); the peer must have been made with ``routes`` (``[]`` for none yet) and be
+        entered."""
+        if self.server.cache is None or self._tg is None:
+            raise ConfigError("ShardPeer.serve_route: make the peer with routes=[...] (direct routes) and enter it "
+                              "first")
+        self._routes_open += 1
+        self._tg.start_soon(self._serve_route, route)
 
     async def _serve_route(self, route: Transport) -> None:
         try:
