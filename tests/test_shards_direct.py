@@ -8,45 +8,16 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import torch
 
-from aiosync.checkpoints import TensorSlice
 from aiosync.coordination import Synchronizer
 from aiosync.coordination.shards import ShardPeer
 from aiosync.syncers.common.payloads import ShardPart, ShardRef
 from aiosync.syncers.patch.shards_direct import ShardRoutes
 from aiosync.transports.inproc import inproc_pair
-from helpers import HANG_GUARD, PATCH, same_bits
+from helpers import HANG_GUARD, PATCH
+from test_shards import BOUNDS, NCCL, full, holds, pieces, rollout
 
 pytestmark = pytest.mark.both_loops
-
-BOUNDS = [(0, 3), (3, 5), (5, 9)]  # uneven rows per rank; rank 2 holds nothing of the shorter tensors
-NCCL = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=10, delivery_timeout=10)
-
-
-def full(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    return {"w": torch.randn(9, 6, generator=g) * (1 + 0.01 * v), "b": torch.randn(4, generator=g) - 0.5 * v,
-            "ids": torch.arange(5, dtype=torch.int64) * (v + 1), "scale": torch.tensor(1.0 + v)}
-
-
-def pieces(state: dict[str, torch.Tensor], rank: int) -> dict:
-    lo, hi = BOUNDS[rank]
-    out: dict = {}
-    for key, t in state.items():
-        if t.dim() == 0:
-            if rank == 0:
-                out[key] = t
-            continue
-        a, b = min(lo, t.shape[0]), min(hi, t.shape[0])
-        out[key] = TensorSlice(t[a:b], (a,) + (0,) * (t.dim() - 1), tuple(t.shape))
-    return out
-
-
-def holds(model: dict[str, torch.Tensor], v: int) -> bool:
-    want = full(v)
-    return all(same_bits(model[k], want[k].to(model[k].dtype)) for k in want)
-
 
 async def run(steps: int, *, direct: bool, explorers: int = 2, answer=None):
     """Train ``steps`` versions with two shard peers; ``answer(rank, fetch, answer)`` may replace a
@@ -78,9 +49,7 @@ async def run(steps: int, *, direct: bool, explorers: int = 2, answer=None):
             async with Synchronizer(NCCL, PATCH) as sync:
                 trainer = await sync.attach_trainer(pieces(state, 0), param_names=list(state),
                                                     shard_peers=[a for a, _ in pairs])
-                rollout = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype)
-                           for k, v in state.items()}
-                found = [await sync.attach_explorer(f"e{i}", {k: v.clone() for k, v in rollout.items()},
+                found = [await sync.attach_explorer(f"e{i}", rollout(),
                                                     shard_routes=fetchers[i] if direct else None)
                          for i in range(explorers)]
                 for v in range(1, steps + 1):
@@ -137,7 +106,7 @@ async def test_a_missing_part_never_commits_its_version():
             return ShardPart(fetch.id, fetch.key, None, "lost by the test")
         return ans
 
-    sync, (ex,), peers, (fetcher,) = await run(6, direct=True, explorers=1, answer=answer)
+    sync, (ex,), _, (fetcher,) = await run(6, direct=True, explorers=1, answer=answer)
     line = sync.explorers["e0"].line.stats
     assert fetcher.missing == 1 and fetcher.retries_made == 1
     assert 3 not in line.versions_applied, line.versions_applied  # rank 2's part of 3 arrived; 3 did not commit
