@@ -158,7 +158,7 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
     generation.generate = generate_and_record
     try:
         trainer.train()
-        history = generation.bridge.history
+        history = generation.history
         engine = (generation.bridge.call(generation.bridge.model.engine_statistics)
                   if mode == "colocate" and hasattr(generation.bridge.model, "engine_statistics") else {})
     finally:

@@ -248,6 +248,8 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         self.bridge: _Bridge | None = None
         #: Per completion of the last generated batch: the versions whose weights generated it.
         self.sample_versions: list[tuple[int | None, ...]] = []
+        #: Every sync so far (kept after :meth:`close`).
+        self.history: list[SyncRecord] = []
         super().__init__(*args, **kwargs)
 
     # -- set-up ------------------------------------------------------------------------
@@ -285,6 +287,7 @@ class AiosyncVLLMGeneration(VLLMGeneration):
             return target.statistics().last_pause_s
 
         self.bridge = _Bridge(self.aiosync, self.model, "vllm", target, pause_s)
+        self.history = self.bridge.history
 
     def _recording(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         from ..engines.vllm import output_versions
@@ -309,6 +312,7 @@ class AiosyncVLLMGeneration(VLLMGeneration):
             return float((await server.state())["engine"].get("last_pause_s", 0.0))
 
         self.bridge = _Bridge(self.aiosync, self.model, "server", server, pause_s)
+        self.history = self.bridge.history
         self.accelerator.wait_for_everyone()
 
     # -- TRL's calls ---------------------------------------------------------------------
@@ -334,9 +338,9 @@ class AiosyncVLLMGeneration(VLLMGeneration):
     def log_metrics(self) -> dict[str, float]:
         """``aiosync/*`` metrics for the trainer's logs: the synced version, the last sync's bytes,
         changed elements, pause and seconds, and the versions that generated the last batch."""
-        if self.bridge is None or not self.bridge.history:
+        if not self.history:
             return {}
-        last = self.bridge.history[-1]
+        last = self.history[-1]
         out = {"aiosync/version": float(last.version), "aiosync/bytes_per_sync": float(last.bytes),
                "aiosync/changed_elements": float(last.changed_elements), "aiosync/pause_s": last.pause_s,
                "aiosync/sync_s": last.seconds}
