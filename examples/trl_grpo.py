@@ -206,12 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--steps must be >= 2 (the reward is compared between the first and the last steps)")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        report = run(args.mode, args.steps, Path(tmp))
-    report["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
+        report = {**run(args.mode, args.steps, Path(tmp)), "seconds": round(time.perf_counter() - t0, 1)}
     if args.json is not None:
-        args.json.write_text(text + "\n")
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
     return report
 
 
