@@ -16,6 +16,7 @@ without TRL, vLLM or transformers.
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_colocate_grpo_writes_only_changed_elements_in_place_and_the_engine_foll
         box["trainer"] = build(AiosyncGRPOTrainer, "colocate", model_dir, tmp_path / "out", aiosync=config)
         return box["trainer"].vllm_generation.llm
 
-    with in_process_engine(start):
+    with mock.patch.dict(os.environ), in_process_engine(start):  # TRL sets RANK, WORLD_SIZE, MASTER_* for vLLM
         trainer = box["trainer"]
         try:
             generation = trainer.vllm_generation
