@@ -26,10 +26,10 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 import anyio  # noqa: E402
+from helpers import in_process_engine, load_example  # noqa: E402
 
 from aiosync.errors import ApplyError, ConfigError  # noqa: E402
 from aiosync.integrations.trl import AiosyncConfig, AiosyncVLLMGeneration, with_aiosync  # noqa: E402
-from helpers import in_process_engine, load_example  # noqa: E402
 
 example = load_example("trl_grpo")
 STEPS = 5

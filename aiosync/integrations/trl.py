@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import time
@@ -56,8 +57,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError(f"aiosync.integrations.trl needs TRL 1.16 without its vLLM extra: pip install "
                       f"'aiosync[trl]' ({exc})") from exc
 
-__all__ = ["AiosyncConfig", "AiosyncVLLMGeneration", "AiosyncVLLMClient", "with_aiosync", "AiosyncGRPOTrainer",
-           "AiosyncRLOOTrainer", "SyncRecord"]
+__all__ = ["AiosyncConfig", "AiosyncVLLMClient", "AiosyncVLLMGeneration", "SyncRecord", "with_aiosync"]
+# and, imported on first use (TRL's trainers import slowly): AiosyncGRPOTrainer, AiosyncRLOOTrainer
 
 PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
 _SWAP = threading.Lock()  # the trainer modules' VLLMGeneration is swapped only while a trainer is built
@@ -158,7 +159,7 @@ class _Bridge:
             self._thread.join(self.config.timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
-        """Run ``fn(*args)`` (a coroutine function) on aiosync's loop, bounded by the timeout."""
+        """Run ``fn(*args)`` (a coroutine function, or a plain one) on aiosync's loop, bounded by the timeout."""
         if self._portal is None:
             raise ApplyError("aiosync's sync for this TRL trainer is closed")
         timeout, what = self.config.timeout, what or getattr(fn, "__name__", "an aiosync call")
@@ -166,7 +167,8 @@ class _Bridge:
         async def bounded() -> Any:
             try:
                 with anyio.fail_after(timeout):
-                    return await fn(*args)
+                    result = fn(*args)
+                    return (await result) if inspect.isawaitable(result) else result
             except TimeoutError:
                 raise PeerTimeoutError(f"aiosync: {what} did not finish within {timeout}s "
                                        "(AiosyncConfig.timeout)") from None
@@ -180,7 +182,7 @@ class _Bridge:
         sent, changed = line.bytes_sent, line.changed_elements
         t0 = time.perf_counter()
         self.call(self._sync, version, what=f"the sync of version {version} to the {self.name} engine")
-        pause = self.call(self._pause_s, what="reading the engine's pause")
+        pause = self.call(self._pause_s, what=f"reading the {self.name} engine's pause")
         record = SyncRecord(version, line.bytes_sent - sent, line.changed_elements - changed, pause,
                             time.perf_counter() - t0)
         self.version = version
@@ -198,17 +200,10 @@ class _Bridge:
                          f"{1 + self.config.retries} deliveries: see sync.metrics()['explorers'][{self.name!r}]")
 
     def metrics(self) -> dict:
-        return self.call(_as_coroutine(self.sync.metrics), what="sync.metrics()")
+        return self.call(self.sync.metrics, what="sync.metrics()")
 
     def close(self) -> None:
         self._stack.close()
-
-
-def _as_coroutine(fn: Callable[[], Any]) -> Callable[[], Any]:
-    async def call() -> Any:
-        return fn()
-
-    return call
 
 
 class AiosyncVLLMClient(VLLMClient):
@@ -291,11 +286,18 @@ class AiosyncVLLMGeneration(VLLMGeneration):
 
     def _recording(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         from ..engines.vllm import output_versions
+        from ..errors import VersionError
+
+        def versions(completion: Any) -> tuple[int | None, ...]:
+            try:
+                return output_versions(completion)
+            except VersionError:  # weights aiosync did not write (labelled "default"): unknown
+                return (None,)
 
         @functools.wraps(generate)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             outputs = generate(*args, **kwargs)
-            self.sample_versions = [output_versions(c) for o in outputs for c in o.outputs]
+            self.sample_versions = [versions(c) for o in outputs for c in o.outputs]
             return outputs
 
         return recorded
