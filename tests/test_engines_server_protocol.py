@@ -16,7 +16,7 @@ from aiosync.coordination import Synchronizer
 from aiosync.engines.auth import Signer, Verifier, load_key
 from aiosync.engines.vllm_server import VLLMServer
 from aiosync.engines.vllm_server_app import AiosyncApp, ServerEnd
-from aiosync.errors import ApplyError, AuthenticationError, ConfigError, PayloadError
+from aiosync.errors import ApplyError, AuthenticationError, ConfigError, PayloadError, TransportError, WouldBlock
 from aiosync.transports.distributed.bytestring import frame_bytes, message_from_bytes
 from aiosync.transports.distributed.wire import encode_message
 from aiosync.engines.vllm_server_protocol import ServerCall
@@ -61,25 +61,37 @@ def test_one_message_as_one_byte_string_and_a_truncated_one_refused():
         message_from_bytes(data[:-1], sender="the trainer")
 
 
-class InProcessServer:
+async def _answer_empty(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+class InProcessServer(httpx.AsyncBaseTransport):
     """:class:`AiosyncApp` over a stand-in for vLLM's app (completions answer ``{}``), its
-    receivers writing ``target`` (a dict of tensors), reached through httpx's ASGI transport."""
+    receivers writing ``target`` (a dict of tensors), reached through httpx's ASGI transport.
+    :meth:`restart` makes it a new run holding start-up weights; while ``down`` it cannot be
+    reached."""
 
     def __init__(self, target, key=KEY) -> None:
-        async def inner(scope, receive, send):
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"{}"})
+        self.key, self.target, self.down = key, target, False
+        self.app = AiosyncApp(_answer_empty, key=key)
 
-        self.app = AiosyncApp(inner, key=key)
-        self.target = target
+    async def handle_async_request(self, request):
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await httpx.ASGITransport(app=self.app).handle_async_request(request)
 
     def client(self, key=KEY) -> VLLMServer:
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://srv")
-        return VLLMServer("http://srv", key=key, client=http)
+        return VLLMServer("http://srv", key=key, client=httpx.AsyncClient(transport=self, base_url="http://srv"))
 
     def start(self, tg) -> None:
         self.app._tg = tg
         self.app.end = ServerEnd(None, tg, target=self.target)
+
+    def restart(self, tg) -> None:
+        """A new run of the server, holding the weights it was started from."""
+        self.app, self.target = AiosyncApp(_answer_empty, key=self.key), rollout_model()
+        self.start(tg)
 
 
 @pytest.mark.parametrize("syncer", [PATCH, BUCKET], ids=["patch", "bucket"])
@@ -103,6 +115,60 @@ async def test_syncs_through_the_protocol_end_bit_exact_and_completions_carry_th
                     assert versions == (v,)
             tg.cancel_scope.cancel()
     assert client.statistics().version == 3 and server.app.end.state()["writes"] == 4
+
+
+@pytest.mark.parametrize("noticed", ["completion", "call", "unreachable"])
+async def test_a_restarted_server_is_reported_holding_no_version_until_its_bootstrap_lands(noticed):
+    """Between a server's restart and its repair the explorer reports no version and hands out
+    no lease: the restart is noticed on a completion's answer, on a refused call, or, after the
+    server could not be reached, before the next request; then the explorer asks for a
+    bootstrap itself."""
+    state, server = trainer_state(), InProcessServer(rollout_model())
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            server.start(tg)
+            client = server.client()
+            async with Synchronizer({"style": "fixed"}, PATCH) as sync:
+                trainer = await sync.attach_trainer(state)
+                explorer = await sync.attach_explorer("srv", client)
+                for v in (1, 2):
+                    train_to(state, v)
+                    await trainer.sync_weight(v)
+                    assert await explorer.sync_weight() == v
+                if noticed == "unreachable":
+                    server.down = True
+                    with pytest.raises(TransportError, match="cannot reach"):
+                        await client.completions({"model": "m", "prompt": [1]})
+                    server.down = False
+                server.restart(tg)
+                assert explorer.version == 2 and not holds(server.target, 2)  # not noticed yet
+                v = 2
+                if noticed == "call":
+                    v = 3
+                    train_to(state, v)
+                    await trainer.sync_weight(v)                 # its delivery is refused: the old run's
+                    await explorer.sync_weight()
+                else:
+                    _, versions = await client.completions({"model": "m", "prompt": [1]})
+                    assert explorer.version is None              # noticed: it holds no version it was given
+                    with pytest.raises(WouldBlock):
+                        with explorer.lease_nowait():
+                            pass
+                    assert versions == (None,)                     # generated by its start-up weights
+                async with explorer.lease() as (_, held):       # waits for the bootstrap it asked for
+                    assert held == v and holds(server.target, v) and server.app.end.version == v
+                await explorer.wait_applied()                   # its Ack reached the synchronizer
+                line = sync.explorers["srv"].statistics()
+                assert line.version == v and line.repairs == 1 and line.reinits == 2
+                row = sync.metrics()["explorers"]["srv"]["model"]      # the server's state in its metrics line
+                assert row["url"] == "http://srv" and row["server"] == server.app.verifier.server
+                assert row["version"] == v and row["restarts"] == 1 and row["state"]["version"] == v
+                assert row["state"]["server"] == row["server"] and row["state"]["bytes_received"] > 0
+                why = {"completion": None, "call": "restarted", "unreachable": "cannot reach"}[noticed]
+                assert (row["last_error"] is None) if why is None else why in row["last_error"]
+                assert (await client.state())["writes"] == 1 == client.statistics().state["writes"]
+            tg.cancel_scope.cancel()
+    assert client.statistics().restarts == 1 and explorer.slot.statistics().losses == 1
 
 
 async def test_a_stranger_and_a_replay_are_refused_and_change_nothing():
