@@ -8,9 +8,14 @@ tests/test_engines_vllm_server.py."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+
 import anyio
 import httpx
 import pytest
+import torch
 
 from aiosync.coordination import Synchronizer
 from aiosync.engines.auth import Signer, Verifier, load_key
@@ -259,3 +264,83 @@ def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():
     with pytest.raises(AuthenticationError, match="does not verify") as exc:
         SignedHTTPWeightSyncClient("http://srv", key=OTHER, client=http).start_weight_update()
     assert exc.value.reason == "bad_signature" and verifier.refused == {"other_server": 1, "bad_signature": 1}
+
+
+@contextlib.contextmanager
+def served_over_http(target):
+    """:class:`AiosyncApp` over ``target`` (a dict of tensors) behind uvicorn on 127.0.0.1, in a
+    thread of its own (real HTTP, no vLLM server); yields ``(url, app)``."""
+    import uvicorn
+
+    ready, app = threading.Event(), None
+
+    async def inner(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await _answer_empty(scope, receive, send)
+        while (await receive())["type"] != "lifespan.shutdown":
+            app.end = ServerEnd(None, app._tg, target=target)    # in the server's event loop
+            await send({"type": "lifespan.startup.complete"})
+            ready.set()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    app = AiosyncApp(inner, key=KEY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, interface="asgi3", lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(HANG_GUARD), "the HTTP server did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(HANG_GUARD)
+        sock.close()
+
+
+def test_vllms_trainer_api_switches_to_aiosync_by_naming_the_backend():
+    """Code written against vLLM's TrainerWeightTransferEngine (trainer_init, send_weights,
+    shutdown) takes aiosync's patches by naming the backend; a wrong key changes nothing."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from aiosync.integrations.vllm_trainer import AiosyncTrainerInitInfo, AiosyncTrainerWeightTransferEngine
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    target = {k: torch.zeros_like(t) for k, t in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def served_equals_model() -> bool:
+        return all(torch.equal(target[k], t) for k, t in model.state_dict().items())
+
+    with served_over_http(target) as (url, app):
+        client = SignedHTTPWeightSyncClient(url, key=KEY)
+        engine = WeightTransferTrainerFactory.trainer_init(AiosyncTrainerInitInfo(rank=0, timeout=HANG_GUARD),
+                                                           client=client, source=ModuleSource(model))
+        try:
+            assert isinstance(engine, AiosyncTrainerWeightTransferEngine)
+            assert engine.version == 0 and served_equals_model()              # the bootstrap
+            for v in (1, 2):
+                model(torch.randn(4, 16)).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                assert not served_equals_model()
+                engine.send_weights()
+                assert engine.version == v == app.end.version and served_equals_model()
+            assert engine.server.statistics().state["writes"] == 3
+            with pytest.raises(ApplyError, match="AuthenticationError"):
+                WeightTransferTrainerFactory.trainer_init(
+                    AiosyncTrainerInitInfo(rank=0, key=OTHER, timeout=HANG_GUARD),
+                    client=client, source=ModuleSource(model))
+            follower = WeightTransferTrainerFactory.trainer_init(AiosyncTrainerInitInfo(rank=1), client=client,
+                                                                 source=ModuleSource(model))
+            follower.send_weights()                                             # iterates the source only
+            assert follower.server is None and not follower.is_sender
+        finally:
+            engine.shutdown()
+        assert app.end.version == 2 and served_equals_model()
+        with pytest.raises(ApplyError, match="shut down"):
+            engine.send_weights()
