@@ -52,9 +52,12 @@ class AiosyncTrainerInitInfo(TrainerInitInfo):
     ``url``: the server's base URL (default: the client's ``base_url``). ``key`` /
     ``key_file``: the server's key (default: a :class:`SignedHTTPWeightSyncClient`'s, else
     ``AIOSYNC_SERVER_KEY_FILE`` / ``AIOSYNC_SERVER_KEY``). ``weight_syncer``: aiosync's
-    ``weight_syncer`` config (default: the patch syncer). ``timeout``: bound on each request to
-    the server and on each ``send_weights``. ``http_client``: an ``httpx.AsyncClient`` of your
-    own for the server (TLS settings); it stays yours to close.
+    ``weight_syncer`` config (default: the patch syncer). ``synchronizer``: synchronizer config
+    keys over the defaults (style ``fixed``; ``sync_timeout`` and ``delivery_timeout`` =
+    ``timeout``; ``liveness_timeout`` a week: the explorer lives in this process and is called
+    only by ``send_weights``, however long a train step takes). ``timeout``: bound on each
+    request to the server and on each ``send_weights``. ``http_client``: an
+    ``httpx.AsyncClient`` of your own for the server (TLS settings); it stays yours to close.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -63,6 +66,7 @@ class AiosyncTrainerInitInfo(TrainerInitInfo):
     key: str | bytes | None = field(default=None, repr=False)
     key_file: str | None = None
     weight_syncer: dict = field(default_factory=lambda: {"type": "patch"})
+    synchronizer: dict = field(default_factory=dict)
     timeout: float = 300.0
     http_client: Any = field(default=None, repr=False)
 
@@ -124,7 +128,8 @@ class AiosyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[AiosyncTrai
             self.server = VLLMServer(url, key=key, key_file=info.key_file, timeout=info.timeout,
                                      client=info.http_client)
             stack.callback(self._portal.call, self.server.aclose)
-            config = {"style": "fixed", "sync_timeout": info.timeout, "delivery_timeout": info.timeout}
+            config = {"style": "fixed", "sync_timeout": info.timeout, "delivery_timeout": info.timeout,
+                      "liveness_timeout": 7 * 86400.0, **info.synchronizer}
             self.sync = stack.enter_context(self._portal.wrap_async_context_manager(
                 Synchronizer(config, info.weight_syncer)))
             self._trainer = self._portal.call(self.sync.attach_trainer, self._state)
