@@ -271,3 +271,40 @@ def test_the_shadow_path_is_the_default_even_where_in_place_could_run(llm):
         target.close()
     with pytest.raises(ConfigError, match="inplace must be True .* or False"):
         VLLMTarget(llm, inplace=None)
+
+
+def _change_in_engine(worker, name: str) -> None:
+    """One value of the engine's parameter ``name`` changed behind aiosync's back."""
+    with torch.no_grad():
+        dict(worker.get_model().named_parameters())[name].view(-1)[7] += 1.0
+
+
+async def test_the_shadow_path_verifies_the_engine_itself_and_repairs_it_with_a_write(llm, trainer_model, monkeypatch):
+    """The default (shadow) path, whole-state verification: a fused ``qkv_proj`` changed inside
+    the engine — its host copy still right — is found by a digest computed in the engine through
+    the index map, and the repair sends its layer again although the host copy does not change:
+    the engine ends holding what its loader makes of the trainer's weights."""
+    import vllm._custom_ops as ops
+
+    monkeypatch.setattr(ops, "_supports_onednn", False)  # the reload keeps the layers plain, as they were loaded
+    target = VLLMTarget(llm)
+    assert target.statistics().path == "shadow"
+    state = {k: v.detach().clone() for k, v in trainer_model.state_dict().items()}
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    with anyio.fail_after(4 * HANG_GUARD):
+        async with Synchronizer({"style": "fixed", "verify_state": 1}, PATCH) as sync:
+            trainer = await sync.attach_trainer(trainer_model)
+            explorer = await sync.attach_explorer("vllm", target)
+            assert on_worker(llm, _engine_matches_loader, state) == []
+            assert target.statistics().engine_digested == len(state)  # every tensor, read in the engine
+            on_worker(llm, _change_in_engine, fused)
+            assert on_worker(llm, _engine_matches_loader, state) == [fused]
+            await trainer.sync_weight(1)  # the trainer did not change: an empty patch, only the label moves
+            assert await explorer.sync_weight() == 1
+            assert await sync.explorers["vllm"].line.wait_settled(HANG_GUARD)
+            verify = sync.metrics()["explorers"]["vllm"]["verify"]
+            assert verify["mismatches"] == 1 and verify["repaired"] == 1 and verify["verified_version"] == 1, verify
+            assert on_worker(llm, _engine_matches_loader, state) == []
+    stats = target.statistics()
+    assert stats.engine_mismatches == 1  # q_proj: the checkpoint tensor whose element of qkv_proj changed
+    target.close()

@@ -142,10 +142,13 @@ async def run_cancel(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
     async def reattach(name: str, slot: Any) -> Any:
         if sc.method != "nccl":
             return await attach_budgeted(name, slot)
+        if trainer_done.is_set():  # the trainer left while this explorer detached: nobody serves joiners now
+            return None
         done, box = anyio.Event(), []  # NCCL: at the trainer's check point (the live tensors do not change)
-        attaching.append((name, slot, done, box))
+        attaching.append((name, slot, done, box))  # no await since the check: the trainer's exit sees it
         notify()
-        await done.wait()
+        with anyio.fail_after(2 * guard):
+            await done.wait()
         return box[0]
 
     async def explorer_loop(name: str) -> None:

@@ -81,9 +81,12 @@ async def run_chaos(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
     async def attach_again(name: str, slot: Any) -> Any:
         if sc.method != "nccl":
             return await sync.attach_explorer(name, slot)
+        if trainer_done.is_set():  # the trainer left while this explorer was away: nobody serves joiners now
+            return None
         done, box = anyio.Event(), []
-        attaching.append((name, slot, done, box))
-        await done.wait()
+        attaching.append((name, slot, done, box))  # no await since the check: the trainer's exit sees it
+        with anyio.fail_after(20 * sc.liveness_timeout + sc.delivery_timeout):
+            await done.wait()
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
@@ -145,6 +148,9 @@ async def run_chaos(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
             if role != "steady" and sync.trainer.step >= next_at and not trainer_done.is_set():
                 next_at += PERIOD
                 ex = await (go_silent(ex) if role == "silent" else drop_mid_request(ex))
+                if ex is None:  # the run ended while it was away
+                    current.pop(name, None)
+                    return
                 current[name] = ex
                 r["reattached"] += 1
         await ex.stop()
@@ -179,7 +185,7 @@ async def run_chaos(sc: Any, n_explorers: int, seed: int) -> dict[str, Any]:
                 finally:
                     trainer_done.set()
                     for _, _, done, box in attaching:
-                        box.append(RuntimeError("the trainer stopped before the explorer was attached again"))
+                        box.append(None)  # the trainer stopped before the explorer was attached again
                         done.set()
 
             async with anyio.create_task_group() as tg:

@@ -8,10 +8,9 @@ trainer's published version — so that a wrong state never stays silent, whatev
   with NCCL inside the trainer's window). Computed once per version and layout
   (:func:`reference_digests`; explorers of one layout share it), in a worker thread.
 * **The check.** The delivery line sends :class:`~aiosync.coordination.protocol.Verify`; the
-  explorer digests what it holds (a worker thread, GIL released; for an engine explorer, the
-  host copy a :class:`~aiosync.engines.vllm.VLLMTarget` keeps, or — a
-  :class:`~aiosync.syncers.base.RemoteTarget` — the engine's own parameters, digested in the
-  engine by ``state_digests``) and answers with the keys that
+  explorer digests what it holds (a worker thread, GIL released; an engine explorer — a
+  :class:`~aiosync.syncers.base.DigestTarget` — digests the engine's own parameters, in the
+  engine, by ``state_digests``) and answers with the keys that
   differ (:class:`~aiosync.coordination.protocol.Verified`).
 * **When.** After every bootstrap and repair, on a schedule (``synchronizer.verify_state``:
   every N versions, aligned on multiples of N so explorers at the same versions share the
@@ -40,7 +39,7 @@ import torch
 from ..aio import run_sync
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import PayloadError
-from ..syncers.base import RemoteTarget
+from ..syncers.base import DigestTarget
 from ..syncers.common.integrity import state_digests, state_digest
 from ..syncers.common.state_dicts import is_dtensor, module_state_dict
 from ..transports.base import Transport
@@ -138,7 +137,7 @@ async def answer_verify(msg: Verify, model: Any, held: int | None, name: str) ->
     if held != msg.version:
         return Verified(msg.id, msg.version, held, [], f"holds version {held}, not {msg.version}")
     try:
-        if isinstance(model, RemoteTarget):  # its weights live elsewhere: digested there
+        if isinstance(model, DigestTarget):  # its weights live elsewhere: digested there
             t0 = time.perf_counter()
             held_digests = await model.state_digests([k for k in msg.digests if k in model])
             mismatched = [k for k, want in msg.digests.items() if held_digests.get(k) != want or type(want) is not int]

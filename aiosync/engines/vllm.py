@@ -50,6 +50,7 @@ from typing import Any
 import anyio
 import torch
 
+from ..aio import run_sync
 from ..dtypes import dtype_name
 from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
@@ -443,6 +444,38 @@ class VLLMTarget(EngineTarget):
             late.drop()  # answered by now, or given up on
 
     # -- read-back -----------------------------------------------------------------------
+
+    async def state_digests(self, keys: Sequence[str]) -> dict[str, int]:
+        """Whole-state verification (a :class:`~aiosync.syncers.base.DigestTarget`): the digest
+        of each tensor ``keys`` as this explorer holds it — read from the engine's own
+        parameters, in the engine, where they can be read (an in-process ``LLM``: every tensor
+        when no parameter is re-packed, else those in checkpoint form; see
+        :func:`~aiosync.engines.vllm_backend.digest_parameters`), from the host copy for the
+        rest (an ``AsyncLLM``'s workers; a CPU engine's re-packed linear layers).
+
+        A tensor the engine holds otherwise than the host copy is marked: the next write — the
+        repair the mismatch starts — sends its layer whether or not it changes the host copy
+        (``statistics().engine_mismatches`` counts them)."""
+        from ..syncers.common.integrity import state_digests
+
+        keys = [k for k in keys if k in self._shadow]
+        held = await run_sync(state_digests, self._shadow, keys)
+        engine: dict[str, int] = {}
+        if self.kind == "llm" and self.error is None:
+            from .vllm_backend import digest_parameters
+
+            wanted = sorted({self._aliases.get(k, k) for k in keys})
+            specs = {k: (tuple(self._shadow[k].shape), self._shadow[k].dtype) for k in wanted}
+            async with self._calls.lock:
+                engine = (await self._calls.call(self.engine.collective_rpc, digest_parameters, args=(specs,)))[0]
+        wrong = {self._aliases.get(k, k) for k in keys if engine.get(self._aliases.get(k, k), held[k]) != held[k]}
+        if wrong:
+            log.warning("aiosync: the vLLM engine holds %d tensor(s) otherwise than its host copy (%s): their layers "
+                        "are sent again with the next write", len(wrong), ", ".join(sorted(wrong)[:4]))
+            self._dirty |= wrong
+            self.stats.engine_mismatches += len(wrong)
+        self.stats.engine_digested = len(engine)
+        return {k: engine.get(self._aliases.get(k, k), held[k]) for k in keys}
 
     async def read_engine(self) -> dict[str, torch.Tensor]:
         """Copies of the engine's own parameters that exist in checkpoint form (same name and

@@ -150,6 +150,9 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         #: The in-place path (:mod:`aiosync.engines.vllm_inplace`): the receiver that writes
         #: patches into this worker's parameters, probed on the first write, and its staged write.
         self.receiver: Any = None
+        #: The shadow path's verification: the index map :func:`digest_parameters` reads the
+        #: parameters through (``False``: none can be probed here; ``None``: not probed yet).
+        self.digest_map: Any = None
         self.staged: Any = None
 
     # -- the engine's own layout -------------------------------------------------------
@@ -305,3 +308,35 @@ def read_parameters(worker: Any, layout: dict[str, tuple]) -> dict[str, torch.Te
             if padded and p.shape[0] > shape[0] and tuple(p.shape[1:]) == tuple(shape[1:]):
                 out[name] = p.detach()[: shape[0]].to("cpu", copy=True)
     return out
+
+
+def digest_parameters(worker: Any, specs: dict[str, tuple]) -> dict[str, int]:
+    """``collective_rpc`` helper (in-process engines; whole-state verification of the shadow
+    path): the :func:`~aiosync.syncers.common.integrity.state_digest` of each checkpoint tensor
+    of ``specs`` (``{name: (shape, dtype)}``) as the worker's parameters hold it, one tensor at a
+    time. Where every parameter is a plain tensor (none re-packed for a kernel) and this worker
+    holds them whole, through an index map probed once through the model's own ``load_weights``
+    (:mod:`aiosync.engines.index_map`; kept on the backend, re-bound to the model's current
+    parameters by name each time, since a reload may replace them): every tensor, fused
+    ``qkv_proj`` / ``gate_up_proj`` and padded vocabularies included. Otherwise only those in
+    checkpoint form (:func:`read_parameters`); the answer leaves the others out."""
+    from ..syncers.common.integrity import state_digest
+    from .index_map import ProbeError, probe_map
+
+    backend = worker.weight_transfer_engine
+    model = worker.get_model()
+    named = dict(model.named_parameters())
+    index = getattr(backend, "digest_map", None)
+    if index is None and all(p.numel() and p.is_contiguous() for p in named.values()):
+        try:  # the model is idle: this runs on the engine's thread, between two steps
+            index = probe_map(model, model.load_weights, specs)
+        except ProbeError as exc:  # split between workers, or a layout the map cannot hold
+            log.info("aiosync: the engine's weights are verified where they are in checkpoint form only: %s", exc)
+            index = False
+        backend.digest_map = index
+    if index and all(n in named and named[n].shape == p.shape for n, p in zip(index.param_names, index.params)):
+        index.params = [named[n] for n in index.param_names]
+        with torch.no_grad():
+            return {n: state_digest(index.whole(n)) for n in specs if n in index.tensors}
+    layout = {n: tuple(shape) for n, (shape, _) in specs.items()}
+    return {n: state_digest(t) for n, t in read_parameters(worker, layout).items()}

@@ -35,6 +35,10 @@ class EngineStats:
     max_pause_s: float = 0.0
     total_pause_s: float = 0.0
     requests: int = 0
+    #: Whole-state verification: tensors the last check read from the engine itself (the rest
+    #: from the host copy), and tensors found held otherwise than the host copy (re-sent).
+    engine_digested: int = 0
+    engine_mismatches: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class EngineStatistics:
     max_pause_s: float
     total_pause_s: float
     requests: int
+    engine_digested: int = 0
+    engine_mismatches: int = 0
     #: How writes reach the engine: ``"inplace"`` (patches written in its parameters) or ``"shadow"``.
     path: str = "shadow"
 

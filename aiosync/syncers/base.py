@@ -124,6 +124,18 @@ class CommitTarget(Protocol):
     async def commit_write(self, keys: Sequence[str], version: int | None) -> None: ...
 
 
+@runtime_checkable
+class DigestTarget(Protocol):
+    """A receiver model that digests what it holds itself, for whole-state verification: its
+    weights live elsewhere (an inference engine), so a digest of the mapping the syncers see
+    would check a copy, not the weights. ``state_digests(keys)`` returns the
+    :func:`~aiosync.syncers.common.integrity.state_digest` of each key's tensor as the real
+    weights hold it (read where they live); a key it leaves out counts as a mismatch.
+    :class:`RemoteTarget` is one; :class:`~aiosync.engines.vllm.VLLMTarget` too."""
+
+    async def state_digests(self, keys: Sequence[str]) -> dict[str, int]: ...
+
+
 @dataclass
 class RemoteWrite:
     """One staged write for a :class:`RemoteTarget`: what the receiver took in for it, as it
@@ -158,9 +170,8 @@ class RemoteTarget(Protocol):
     instead of writing: make the weights hold what ``write`` brings, all or nothing, and return
     the version they now hold (``write.version``). If it raises, nothing was written, and the
     receiver keeps its version. Staging syncers (patch, bucket) call it. Whole-state
-    verification awaits ``state_digests(keys)``: the
-    :func:`~aiosync.syncers.common.integrity.state_digest` of each key's tensor as the weights
-    hold it, computed where they live.
+    verification awaits ``state_digests(keys)`` (a :class:`DigestTarget`): computed where the
+    weights live.
     """
 
     async def write_remote(self, write: RemoteWrite) -> int | None: ...
