@@ -88,6 +88,7 @@ class ExplorerEnd:
         self._user_stopped = False
         #: Why the model lost its weights outside aiosync, until a request for its repair went out.
         self._lost: str | None = None
+        self._lost_event = anyio.Event()
         if isinstance(self.slot.model, LosesWeights):  # a server that may restart: told when it did
             self.slot.model.on_weights_lost(self._weights_lost)
         self._new_session()
@@ -425,13 +426,14 @@ class ExplorerEnd:
         reports none from now on (leases wait), and asks for a bootstrap (:meth:`_repair_losses`)."""
         self.slot.lose(reason)
         self._lost = reason
+        self._lost_event.set()
         self._notify()
 
     async def _repair_losses(self) -> None:
         """Ask for a bootstrap whenever the model lost its weights (``SyncRequest.lost``)."""
         while not self.closed:
-            while self._lost is None and not self.closed:
-                await self._changed.wait()
+            await self._lost_event.wait()  # the session's end cancels this task
+            self._lost_event = anyio.Event()
             reason, self._lost = self._lost, None
             if reason is not None and not self.closed and self.error is None:
                 await self._ask(False, lost=reason)
