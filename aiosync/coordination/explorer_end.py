@@ -25,6 +25,7 @@ from .._strict import check_seconds
 from ..aio import leave_task_group
 from ..errors import ApplyError, EndOfStream, ExplorerLostError, HandshakeError, PeerTimeoutError, \
     StateTransitionError, TransportError
+from ..syncers.base import LosesWeights
 from ..syncers.factory import SyncerFactory, syncer_factory
 from ..transports.base import Transport
 from .applier import Applier
@@ -89,6 +90,11 @@ class ExplorerEnd:
         self._calls = 0
         self._running = False
         self._user_stopped = False
+        #: Why the model lost its weights outside aiosync, until a request for its repair went out.
+        self._lost: str | None = None
+        self._lost_event = anyio.Event()
+        if isinstance(self.slot.model, LosesWeights):  # a server that may restart: told when it did
+            self.slot.model.on_weights_lost(self._weights_lost)
         self._new_session()
 
     def _new_session(self) -> None:
@@ -193,6 +199,7 @@ class ExplorerEnd:
                     tg.cancel_scope.cancel()
                 else:
                     tg.start_soon(self._heartbeat)
+                    tg.start_soon(self._repair_losses)
                     task_status.started(self)
                     started = True
                     await self._finished.wait()
@@ -418,6 +425,23 @@ class ExplorerEnd:
         elif msg.event in ("delivering", "settled"):
             self._delivering = msg.event == "delivering"
         self._notify()
+
+    def _weights_lost(self, reason: str) -> None:
+        """The model lost the weights of its version where they live (a server restarted): it
+        reports none from now on (leases wait), and asks for a bootstrap (:meth:`_repair_losses`)."""
+        self.slot.lose(reason)
+        self._lost = reason
+        self._lost_event.set()
+        self._notify()
+
+    async def _repair_losses(self) -> None:
+        """Ask for a bootstrap whenever the model lost its weights (``SyncRequest.lost``)."""
+        while not self.closed:
+            await self._lost_event.wait()  # the session's end cancels this task
+            self._lost_event = anyio.Event()
+            reason, self._lost = self._lost, None
+            if reason is not None and not self.closed and self.error is None:
+                await self._ask(False, lost=reason)
 
     async def _heartbeat(self) -> None:
         """Tell the session this explorer is alive, while its loop shows signs of life."""

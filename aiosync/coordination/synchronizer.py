@@ -317,6 +317,8 @@ class Synchronizer:
         self._transports += [sync_end, explorer_end]
         cfg = self.config
         session = ExplorerSession(self.hub, sync_end)
+        stats = getattr(slot.model, "statistics", None)
+        session.model_statistics = stats if callable(stats) else None  # in its metrics line (a server's state)
         explorer = Explorer(name, slot, explorer_end, weight_syncer=self.hub.syncers,
                             connect_timeout=cfg.sync_timeout + cfg.delivery_timeout, shard_routes=shard_routes)
         try:
