@@ -72,7 +72,9 @@ class Explorer(ExplorerEnd):
     the one the synchronizer announces; required when it uses a syncer factory).
     ``connect_timeout``: bound on the Hello / Welcome exchange. ``close_timeout``: bound on
     waiting for the final drain when leaving an ``async with`` block (default: the
-    synchronizer's ``sync_timeout + delivery_timeout``).
+    synchronizer's ``sync_timeout + delivery_timeout``). ``shard_routes``: a sharded trainer
+    whose ranks send their parts directly (:class:`~aiosync.syncers.patch.shards_direct.ShardRoutes`,
+    a channel to each of its ranks but the synchronizer's; ``docs/distributed.md``).
 
     Entering (``async with``) joins — any time, S12: bootstrap and the first, always blocking
     sync. Leaving: if the trainer already stopped, the explorer stops and waits (bounded) for

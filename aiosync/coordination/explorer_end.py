@@ -31,6 +31,7 @@ from ..transports.base import Transport
 from .applier import Applier
 from .config import SynchronizerConfig
 from .metrics import RunningStat
+from .shard_routes import RoutedLane
 from .mux import Mux
 from .protocol import UNSERVED, Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Welcome
 from .slots import PolicySlot
@@ -65,13 +66,16 @@ class ExplorerEnd:
     whose docstring describes the arguments."""
 
     def __init__(self, name: str, model: Any, transport: Transport, *, weight_syncer: Any = None,
-                 connect_timeout: float = 120.0, close_timeout: float | None = None) -> None:
+                 connect_timeout: float = 120.0, close_timeout: float | None = None,
+                 shard_routes: Any = None) -> None:
         self.name = name
         self.slot: PolicySlot = model if isinstance(model, PolicySlot) else PolicySlot(model)
         self.transport = transport
         self.connect_timeout = check_seconds("Explorer connect_timeout", connect_timeout)
         self.close_timeout = None if close_timeout is None else check_seconds("Explorer close_timeout", close_timeout)
         self._weight_syncer = weight_syncer
+        #: Direct routes to a sharded trainer's ranks (:class:`~aiosync.syncers.patch.shards_direct.ShardRoutes`).
+        self.shard_routes = shard_routes
         self.state = StatusCell(f"explorer {name}")
         self.step = 0
         self.outcomes: dict[str, int] = {}
@@ -292,7 +296,8 @@ class ExplorerEnd:
             syncers = syncer_factory(syncers)
         self.transport.use_comm_options(syncers.comm_options)  # W4 on this end too (ConfigError if it cannot)
         self.mux.set_timeout(cfg.delivery_timeout)
-        self.applier = Applier(self.name, self.slot, self.mux.data, syncers, timeout=cfg.delivery_timeout,
+        lane = self.mux.data if self.shard_routes is None else RoutedLane(self.mux.data, self.shard_routes)
+        self.applier = Applier(self.name, self.slot, lane, syncers, timeout=cfg.delivery_timeout,
                                on_busy_change=lambda busy: self._notify())
         await tg.start(self.applier.run)
         with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
