@@ -7,8 +7,8 @@ CPU; real AdamW steps at an RL learning rate). Rank 0 runs the :class:`aiosync.S
 (NCCL method: syncs at the trainer's check points; patch sync every step, trainer-driven,
 ``sync_weight_no_wait``) and attaches the trainer with ``shard_peers``; every other rank runs a
 :class:`~aiosync.coordination.shards.ShardPeer`. Each rank keeps the snapshot of its own
-shard, diffs and encodes its own shard's patch, and rank 0 relays the other ranks' patches
-(tiny next to the shards) to the explorers. The explorers (``--explorers``, bfloat16 copies that
+shard, diffs and encodes its own shard's patch and sends it straight to every explorer (direct
+routes: rank 0 forwards a ref in its place and relays nothing; ``--routes relay``: through rank 0). The explorers (``--explorers``, bfloat16 copies that
 roll out while the trainer trains) live in rank 0's process — the same processes as the trainer
 (explorers in other processes: ``examples/distributed_sync.py`` and the tests).
 
@@ -25,6 +25,10 @@ the same rows of its copy; the hashes meet on rank 0, which writes (``--json``) 
 * ``sender_sync_bytes_per_rank``: the most bytes any rank held for syncs (its shard's
   snapshot, the builder's scratch; on rank 0 also the packets the fan-out keeps and the largest
   relayed payload), next to ``full_snapshot_bytes``, the snapshot of the whole model.
+
+The report adds ``routes``, ``relayed_bytes`` (other ranks' bytes rank 0 sent on: 0 with direct
+routes), and per rank ``rank_patch_bytes`` (its patches, each encoded once) and ``rank_sent_bytes``
+(what it sent the explorers: about ``explorers ×`` its patches).
 
 ``--mode gather`` runs the old way for comparison (every rank gathers the full state each step,
 rank 0 syncs it); more figures go to stderr.
@@ -65,12 +69,15 @@ from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import SHARD_TAG, ShardPeer
 from aiosync.syncers import gather_full_state
 from aiosync.syncers.patch.shard_layout import shard_layout
+from aiosync.syncers.patch.shards_direct import ShardRoutes
 from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
 from aiosync.transports.distributed import WeightSyncGroup
 
 #: Point-to-point tags apart from the explorers' channels: rank 0 telling the late explorer to
 #: join, and the reports sent to rank 0 at the end (a killed rank rules out collectives).
 JOIN_TAG, REPORT_TAG = 0x5A5E, 0x5A5F
+#: The channels of direct routes: each explorer's process fetches every rank's parts from that rank.
+ROUTE_TAG = 0x5A60
 
 
 def weight_syncer(bucket: int) -> dict:
@@ -163,7 +170,9 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
     elif rank == 0:
         report = await run_rank0(args, group, fsdp_group, model, train_step, names, config, ws)
     else:
-        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout) as peer:
+        explorer_ranks = range(args.ranks, group.world_size) if args.ranks < group.world_size else [0]
+        routes = [group.transport(x, tag=ROUTE_TAG) for x in explorer_ranks] if args.routes == "direct" else None
+        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout, routes=routes) as peer:
             await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every trainer rank starts together
             builds0, build_s0 = peer.server.builds, peer.server.build_s
             for step in range(1, args.steps + 1):
@@ -172,6 +181,9 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
             report["builds"] = peer.server.builds - builds0
             report["build_s"] = (peer.server.build_s - build_s0) / args.steps
             report["held"] = peer.server.peak_bytes
+            cache = peer.server.cache  # direct: what it sent each explorer; relayed: its patches, once, to rank 0
+            report["patch_bytes"] = peer.server.patch_bytes
+            report["sent_bytes"] = cache.sent_patch_bytes if cache is not None else peer.server.patch_bytes
     report["seconds"] = time.perf_counter() - t0
     report["gathered"] = gathered_bytes() - gathered0
     # bit-exact, and nothing gathered: every rank hashes its own rows, every explorer the same rows
@@ -188,12 +200,13 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
     held = 0
     published: dict[int, float] = {}
     late_joined = 0
+    fetcher = shard_routes(args, group, here=not remote)  # for explorers in this process
     async with Synchronizer(config, ws) as sync:
         trainer = await sync.attach_trainer(model, shard_peers=peers)
         sync.source.listeners.append(lambda event, v: published.setdefault(v, time.time())
                                      if event == "window_open" and v is not None else None)
-        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args)) for i in range(0 if remote else
-                                                                                           args.explorers)]
+        explorers = [await sync.attach_explorer(f"e{i}", rollout_model(args), shard_routes=fetcher)
+                     for i in range(0 if remote else args.explorers)]
         for r in remote:
             sync.serve_remote(group.transport(r))
         if remote:
@@ -216,6 +229,7 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
             await trainer.stop()
         builds, build_s = shards.builds - builds0, (shards.build_s - build_s0) / args.steps
         lost = sorted(n for n, s in sync.explorers.items() if s.lost)
+    await fetcher.aclose()  # the other ranks stop serving this process's routes
     m = sync.metrics()
     print(json.dumps({"rank0": {"fanout": m["fanout"], "relayed_bytes": shards.relayed_bytes,
                                 "relayed_peak": shards.relayed_peak, "shard_peak_bytes": shards.peak_bytes,
@@ -224,7 +238,15 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
                                               for k, r in m["explorers"].items()}}}), file=sys.stderr)
     return {"builds": builds, "build_s": build_s, "held": shards.peak_bytes + held + shards.relayed_peak,
             "explorer_rows": [ex.slot.model.state_dict() for ex in explorers], "published": published,
-            "late_joined": late_joined, "lost": lost}
+            "late_joined": late_joined, "lost": lost, "relayed_bytes": shards.relayed_bytes,
+            "patch_bytes": shards.patch_bytes, "packet_bytes": fetcher.packet_bytes}
+
+
+def shard_routes(args, group, here: bool = True) -> ShardRoutes:
+    """An explorer process's channels to every trainer rank but 0 (direct routes), or none (relayed,
+    or no explorer ``here``: it only counts what arrives from rank 0)."""
+    ranks = range(1, args.ranks) if args.routes == "direct" and here else ()
+    return ShardRoutes({r: group.transport(r, tag=ROUTE_TAG) for r in ranks}, timeout=args.timeout)
 
 
 async def run_explorer(args, group: WeightSyncGroup, k: int) -> dict:
@@ -237,7 +259,9 @@ async def run_explorer(args, group: WeightSyncGroup, k: int) -> dict:
         with anyio.fail_after(args.timeout * 4):
             await group.transport(0, tag=JOIN_TAG).recv()
     arrived: dict[int, float] = {}  # when each version was first rolled out on
-    async with Explorer(f"x{k}", rollout_model(args), group.transport(0), connect_timeout=args.timeout) as ex:
+    fetcher = shard_routes(args, group)
+    async with Explorer(f"x{k}", rollout_model(args), group.transport(0), connect_timeout=args.timeout,
+                        shard_routes=fetcher) as ex:
         g = torch.Generator().manual_seed(7 + k)
         while not ex.trainer_stopped:
             async with ex.lease() as (model, version):
@@ -248,8 +272,9 @@ async def run_explorer(args, group: WeightSyncGroup, k: int) -> dict:
                 await anyio.to_thread.run_sync(lambda: model(idx).argmax(-1))
             await ex.step_done()
     arrived.setdefault(ex.version, time.time())
+    await fetcher.aclose()
     return {"explorer": f"x{k}", "late": bool(late), "arrived": arrived, "version": ex.version,
-            "state": ex.slot.model.state_dict()}
+            "state": ex.slot.model.state_dict(), "packet_bytes": fetcher.packet_bytes}
 
 
 async def run_gathered(args, rank, fsdp_group, model, train_step, names, config, ws) -> dict:
@@ -348,6 +373,20 @@ def summarize(args, reports: list[dict], explorer_states: list) -> dict:
             "full_snapshot_bytes": int(full_snapshot), "seconds": round(max(r["seconds"] for r in reports), 3)}
 
 
+def routes_report(args, trainers: list[dict], explorers: list[dict]) -> dict:
+    """Who sent what to the explorers: ``relayed_bytes`` (other ranks' bytes rank 0 sent on),
+    per rank its patches (``rank_patch_bytes``: each encoded once) and what it sent
+    (``rank_sent_bytes``: rank 0 the sync packets every explorer got from it; another rank the parts
+    every explorer fetched from it — or, relayed, its patches once, to rank 0)."""
+    if args.mode == "gather":
+        return {}
+    rank0 = trainers[0]
+    return {"routes": args.routes, "relayed_bytes": int(rank0["relayed_bytes"]),
+            "rank_patch_bytes": [int(r["patch_bytes"]) for r in trainers],
+            "rank_sent_bytes": [int(rank0["packet_bytes"] + sum(e["packet_bytes"] for e in explorers))]
+            + [int(r["sent_bytes"]) for r in trainers[1:]]}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--explorers", type=int, default=2,
@@ -365,6 +404,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate (RL range)")
     parser.add_argument("--bootstrap-bucket", type=int, default=1 << 20, help="bytes per bootstrap bucket")
     parser.add_argument("--mode", choices=("shard", "gather"), default="shard")
+    parser.add_argument("--routes", choices=("direct", "relay"), default="direct",
+                        help="direct: every rank sends its own parts to the explorers; relay: through rank 0")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait on a peer may take")
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # an explorer rank's own process
@@ -428,6 +469,7 @@ def summarize_processes(args, reports: list[dict], explorer_states: list) -> dic
     result.update(late_joined=trainers[0]["late_joined"], killed=trainers[0]["lost"], survivors=len(explorers),
                   survivor_max_gap_s=round(max((survivor_gap(published, dict(e["arrived"])) for e in explorers),
                                                default=0.0), 3))
+    result.update(routes_report(args, trainers, explorers))
     return result
 
 
@@ -453,7 +495,11 @@ def main(argv: list[str] | None = None) -> int:
             reports = [None] * group.world_size
             dist.all_gather_object(reports, report)
         if group.rank == 0:
-            result = (summarize_processes if separate else summarize)(args, reports, explorer_states)
+            if separate:
+                result = summarize_processes(args, reports, explorer_states)
+            else:
+                result = summarize(args, reports, explorer_states)
+                result.update(routes_report(args, reports, []))
             line = json.dumps(result)
             print(json.dumps({"mode": args.mode, "build_s_per_version": [round(r["build_s"], 4)
                                                                           for r in reports[:args.ranks]],

@@ -8,15 +8,20 @@ tests/test_engines_vllm_server.py."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+
 import anyio
 import httpx
 import pytest
+import torch
 
 from aiosync.coordination import Synchronizer
 from aiosync.engines.auth import Signer, Verifier, load_key
 from aiosync.engines.vllm_server import VLLMServer
 from aiosync.engines.vllm_server_app import AiosyncApp, ServerEnd
-from aiosync.errors import ApplyError, AuthenticationError, ConfigError, PayloadError
+from aiosync.errors import ApplyError, AuthenticationError, ConfigError, PayloadError, TransportError, WouldBlock
 from aiosync.transports.distributed.bytestring import frame_bytes, message_from_bytes
 from aiosync.transports.distributed.wire import encode_message
 from aiosync.engines.vllm_server_protocol import ServerCall
@@ -61,48 +66,114 @@ def test_one_message_as_one_byte_string_and_a_truncated_one_refused():
         message_from_bytes(data[:-1], sender="the trainer")
 
 
-class InProcessServer:
+async def _answer_empty(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+class InProcessServer(httpx.AsyncBaseTransport):
     """:class:`AiosyncApp` over a stand-in for vLLM's app (completions answer ``{}``), its
-    receivers writing ``target`` (a dict of tensors), reached through httpx's ASGI transport."""
+    receivers writing ``target`` (a dict of tensors), reached through httpx's ASGI transport.
+    :meth:`restart` makes it a new run holding start-up weights; while ``down`` it cannot be
+    reached."""
 
     def __init__(self, target, key=KEY) -> None:
-        async def inner(scope, receive, send):
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"{}"})
+        self.key, self.target, self.down = key, target, False
+        self.app = AiosyncApp(_answer_empty, key=key)
 
-        self.app = AiosyncApp(inner, key=key)
-        self.target = target
+    async def handle_async_request(self, request):
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await httpx.ASGITransport(app=self.app).handle_async_request(request)
 
     def client(self, key=KEY) -> VLLMServer:
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://srv")
-        return VLLMServer("http://srv", key=key, client=http)
+        return VLLMServer("http://srv", key=key, client=httpx.AsyncClient(transport=self, base_url="http://srv"))
 
     def start(self, tg) -> None:
         self.app._tg = tg
         self.app.end = ServerEnd(None, tg, target=self.target)
 
+    def restart(self, tg) -> None:
+        """A new run of the server, holding the weights it was started from."""
+        self.app, self.target = AiosyncApp(_answer_empty, key=self.key), rollout_model()
+        self.start(tg)
 
-@pytest.mark.parametrize("syncer", [PATCH, BUCKET], ids=["patch", "bucket"])
-async def test_syncs_through_the_protocol_end_bit_exact_and_completions_carry_the_version(syncer):
-    state, served = trainer_state(), rollout_model()
-    server = InProcessServer(served)
+
+@contextlib.asynccontextmanager
+async def attached(server, state, syncer=PATCH):
+    """``server`` started, its client attached as explorer ``srv`` of a FIXED synchronizer with
+    trainer ``state``; yields ``(tg, client, sync, trainer, explorer)``; the server stops after."""
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
             server.start(tg)
             client = server.client()
             async with Synchronizer({"style": "fixed"}, syncer) as sync:
                 trainer = await sync.attach_trainer(state)
-                explorer = await sync.attach_explorer("srv", client)
-                assert holds(served, 0)
-                for v in (1, 2, 3):
-                    train_to(state, v)
-                    await trainer.sync_weight(v)
-                    assert await explorer.sync_weight() == v
-                    assert holds(served, v)
-                    _, versions = await client.completions({"model": "m", "prompt": [1]})
-                    assert versions == (v,)
+                yield tg, client, sync, trainer, await sync.attach_explorer("srv", client)
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("syncer", [PATCH, BUCKET], ids=["patch", "bucket"])
+async def test_syncs_through_the_protocol_end_bit_exact_and_completions_carry_the_version(syncer):
+    state, served = trainer_state(), rollout_model()
+    server = InProcessServer(served)
+    async with attached(server, state, syncer) as (_, client, _, trainer, explorer):
+        assert holds(served, 0)
+        for v in (1, 2, 3):
+            train_to(state, v)
+            await trainer.sync_weight(v)
+            assert await explorer.sync_weight() == v
+            assert holds(served, v)
+            _, versions = await client.completions({"model": "m", "prompt": [1]})
+            assert versions == (v,)
     assert client.statistics().version == 3 and server.app.end.state()["writes"] == 4
+
+
+@pytest.mark.parametrize("noticed", ["completion", "call", "unreachable"])
+async def test_a_restarted_server_is_reported_holding_no_version_until_its_bootstrap_lands(noticed):
+    """Between a server's restart and its repair the explorer reports no version and hands out
+    no lease: the restart is noticed on a completion's answer, on a refused call, or, after the
+    server could not be reached, before the next request; then the explorer asks for a
+    bootstrap itself."""
+    state, server = trainer_state(), InProcessServer(rollout_model())
+    async with attached(server, state) as (tg, client, sync, trainer, explorer):
+        for v in (1, 2):
+            train_to(state, v)
+            await trainer.sync_weight(v)
+            assert await explorer.sync_weight() == v
+        if noticed == "unreachable":
+            server.down = True
+            with pytest.raises(TransportError, match="cannot reach"):
+                await client.completions({"model": "m", "prompt": [1]})
+            server.down = False
+        server.restart(tg)
+        assert explorer.version == 2 and not holds(server.target, 2)  # not noticed yet
+        v = 2
+        if noticed == "call":
+            v = 3
+            train_to(state, v)
+            await trainer.sync_weight(v)                 # its delivery is refused: the old run's
+            await explorer.sync_weight()
+        else:
+            _, versions = await client.completions({"model": "m", "prompt": [1]})
+            assert explorer.version is None              # noticed: it holds no version it was given
+            with pytest.raises(WouldBlock):
+                with explorer.lease_nowait():
+                    pass
+            assert versions == (None,)                   # generated by its start-up weights
+        async with explorer.lease() as (_, held):       # waits for the bootstrap it asked for
+            assert held == v and holds(server.target, v) and server.app.end.version == v
+        await explorer.wait_applied()                   # its Ack reached the synchronizer
+        line = sync.explorers["srv"].statistics()
+        assert line.version == v and line.repairs == 1 and line.reinits == 2
+        row = sync.metrics()["explorers"]["srv"]["model"]  # the server's state in its metrics line
+        assert row["url"] == "http://srv" and row["server"] == server.app.verifier.server
+        assert row["version"] == v and row["restarts"] == 1 and row["state"]["version"] == v
+        assert row["state"]["server"] == row["server"] and row["state"]["bytes_received"] > 0
+        why = {"completion": None, "call": "restarted", "unreachable": "cannot reach"}[noticed]
+        assert (row["last_error"] is None) if why is None else why in row["last_error"]
+        assert (await client.state())["writes"] == 1 == client.statistics().state["writes"]
+    assert client.statistics().restarts == 1 and explorer.slot.statistics().losses == 1
 
 
 async def test_a_stranger_and_a_replay_are_refused_and_change_nothing():
@@ -193,3 +264,83 @@ def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():
     with pytest.raises(AuthenticationError, match="does not verify") as exc:
         SignedHTTPWeightSyncClient("http://srv", key=OTHER, client=http).start_weight_update()
     assert exc.value.reason == "bad_signature" and verifier.refused == {"other_server": 1, "bad_signature": 1}
+
+
+@contextlib.contextmanager
+def served_over_http(target):
+    """:class:`AiosyncApp` over ``target`` (a dict of tensors) behind uvicorn on 127.0.0.1, in a
+    thread of its own (real HTTP, no vLLM server); yields ``(url, app)``."""
+    import uvicorn
+
+    ready, app = threading.Event(), None
+
+    async def inner(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await _answer_empty(scope, receive, send)
+        while (await receive())["type"] != "lifespan.shutdown":
+            app.end = ServerEnd(None, app._tg, target=target)    # in the server's event loop
+            await send({"type": "lifespan.startup.complete"})
+            ready.set()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    app = AiosyncApp(inner, key=KEY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, interface="asgi3", lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(HANG_GUARD), "the HTTP server did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(HANG_GUARD)
+        sock.close()
+
+
+def test_vllms_trainer_api_switches_to_aiosync_by_naming_the_backend():
+    """Code written against vLLM's TrainerWeightTransferEngine (trainer_init, send_weights,
+    shutdown) takes aiosync's patches by naming the backend; a wrong key changes nothing."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from aiosync.integrations.vllm_trainer import AiosyncTrainerInitInfo, AiosyncTrainerWeightTransferEngine
+    from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    target = {k: torch.zeros_like(t) for k, t in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def served_equals_model() -> bool:
+        return all(torch.equal(target[k], t) for k, t in model.state_dict().items())
+
+    with served_over_http(target) as (url, app):
+        client = SignedHTTPWeightSyncClient(url, key=KEY)
+        engine = WeightTransferTrainerFactory.trainer_init(AiosyncTrainerInitInfo(rank=0, timeout=HANG_GUARD),
+                                                           client=client, source=ModuleSource(model))
+        try:
+            assert isinstance(engine, AiosyncTrainerWeightTransferEngine)
+            assert engine.version == 0 and served_equals_model()              # the bootstrap
+            for v in (1, 2):
+                model(torch.randn(4, 16)).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                assert not served_equals_model()
+                engine.send_weights()
+                assert engine.version == v == app.end.version and served_equals_model()
+            assert engine.server.statistics().state["writes"] == 3
+            with pytest.raises(ApplyError, match="AuthenticationError"):
+                WeightTransferTrainerFactory.trainer_init(
+                    AiosyncTrainerInitInfo(rank=0, key=OTHER, timeout=HANG_GUARD),
+                    client=client, source=ModuleSource(model))
+            follower = WeightTransferTrainerFactory.trainer_init(AiosyncTrainerInitInfo(rank=1), client=client,
+                                                                 source=ModuleSource(model))
+            follower.send_weights()                                             # iterates the source only
+            assert follower.server is None and not follower.is_sender
+        finally:
+            engine.shutdown()
+        assert app.end.version == 2 and served_equals_model()
+        with pytest.raises(ApplyError, match="shut down"):
+            engine.send_weights()

@@ -170,11 +170,17 @@ async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key
                 await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 52)
                 await trainer.sync_weight(2)
                 await explorer.sync_weight()                   # the delivery finds a fresh server: refused
-                line = sync.explorers["srv0"].line
-                assert line.needs_reinit
+                assert explorer.version in (None, 2)           # noticed: no version until the repair lands
+                async with explorer.lease() as (_, held):      # the bootstrap the explorer asked for
+                    assert held == 2
+                await assert_server_holds(client, trainer_model, 2)
                 await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 53)
                 await trainer.sync_weight(3)
-                assert await explorer.sync_weight() == 3       # the repair bootstraps it
+                assert await explorer.sync_weight() == 3       # a patch again
                 await assert_server_holds(client, trainer_model, 3)
-                assert line.stats.reinits == 2
+                line = sync.explorers["srv0"].line
+                assert line.stats.reinits == 2 and line.stats.repairs == 1
+                row = sync.metrics()["explorers"]["srv0"]["model"]  # the server's state in its metrics line
+                assert row["version"] == 3 == row["state"]["version"] and row["restarts"] == 1
+                assert row["server"] == row["state"]["server"] and row["state"]["engine"]["writes"] == 2
     assert client.statistics().restarts == 1

@@ -180,7 +180,12 @@ def test_the_sharded_example_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert list(report) == ["ranks", "explorers", "steps", "bit_exact", "gathered_bytes", "encodes_per_version",
-                            "sender_sync_bytes_per_rank", "full_snapshot_bytes", "seconds"]
+                            "sender_sync_bytes_per_rank", "full_snapshot_bytes", "seconds", "routes", "relayed_bytes",
+                            "rank_patch_bytes", "rank_sent_bytes"]
+    # direct routes (the default): rank 1's patches went to the explorers in rank 0's process from rank 1
+    assert report["routes"] == "direct" and report["relayed_bytes"] == 0
+    for patch, sent in zip(report["rank_patch_bytes"], report["rank_sent_bytes"]):
+        assert 0 < sent <= 1.2 * patch * report["explorers"]
     assert report["ranks"] == 2 and report["explorers"] == 2 and report["steps"] == 3
     assert report["bit_exact"] is True and report["gathered_bytes"] == 0
     assert report["encodes_per_version"] <= report["ranks"]

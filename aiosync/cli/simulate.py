@@ -28,6 +28,8 @@ Scenarios:
 * ``chaos`` — explorers that go silent past ``liveness_timeout``, call in late, drop in the
   middle of a request and are attached again (``max_ahead`` 1, FIXED interval 2):
   :mod:`aiosync.cli.simulate_chaos`.
+* ``scale`` — R trainer ranks × E engines: seconds per version with relayed vs direct routes,
+  from patch sizes measured on real builds at a density (:mod:`aiosync.cli.simulate_scale`).
 * ``cancel`` — random cancellations of every public await, each made again at once (attach
   cancels included): :mod:`aiosync.cli.simulate_cancel`.
 
@@ -126,7 +128,8 @@ SCENARIOS = {
 
 #: Scenarios that run a simulation of their own: name -> module with ``simulate(explorers, *, steps,
 #: seed, loop, **overrides) -> report`` and ``summary(report) -> lines`` (imported when chosen).
-MODULES = {"links": "aiosync.cli.simulate_links", "verify": "aiosync.cli.simulate_verify"}
+MODULES = {"links": "aiosync.cli.simulate_links", "verify": "aiosync.cli.simulate_verify",
+           "scale": "aiosync.cli.simulate_scale"}
 #: What ``aiosync simulate`` prints for the scenarios whose runs live in a module of their own
 #: but share the Scenario set-up (chaos: simulate_chaos.py, cancel: simulate_cancel.py).
 SUMMARY_KEYS = {

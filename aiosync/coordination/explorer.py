@@ -72,7 +72,9 @@ class Explorer(ExplorerEnd):
     the one the synchronizer announces; required when it uses a syncer factory).
     ``connect_timeout``: bound on the Hello / Welcome exchange. ``close_timeout``: bound on
     waiting for the final drain when leaving an ``async with`` block (default: the
-    synchronizer's ``sync_timeout + delivery_timeout``).
+    synchronizer's ``sync_timeout + delivery_timeout``). ``shard_routes``: a sharded trainer
+    whose ranks send their parts directly (:class:`~aiosync.syncers.patch.shards_direct.ShardRoutes`,
+    a channel to each of its ranks but the synchronizer's; ``docs/distributed.md``).
 
     Entering (``async with``) joins — any time, S12: bootstrap and the first, always blocking
     sync. Leaving: if the trainer already stopped, the explorer stops and waits (bounded) for
@@ -228,12 +230,13 @@ class Explorer(ExplorerEnd):
         self._synced_version = self.slot.version if blocking else self.published  # no-wait: what the apply brings
         return self.slot.version
 
-    async def _ask(self, blocking: bool) -> None:
+    async def _ask(self, blocking: bool, lost: str | None = None) -> None:
         """Send one request for the newest weights; with ``blocking``, wait (at most
         ``sync_timeout + delivery_timeout``) for its answer. Cancellation-safe: cancelled before
         the request surely went out, nothing is left of it (an answer that comes anyway is
         ignored); cancelled after, the request stays outstanding until it is answered — the
-        delivery lands in the background — and a new call may ask again at once."""
+        delivery lands in the background — and a new call may ask again at once. ``lost``: the
+        model lost its weights; this asks for a bootstrap (``ExplorerEnd._weights_lost``)."""
         cfg = self.config
         self._next_id += 1
         request_id, event = self._next_id, anyio.Event()
@@ -244,7 +247,7 @@ class Explorer(ExplorerEnd):
             self._joined_window = self._window
         self.state.set_if(RunningStatus.RUNNING, RunningStatus.REQUIRE_SYNC)
         try:
-            sent = await self.mux.send_quietly(SyncRequest(request_id))
+            sent = await self.mux.send_quietly(SyncRequest(request_id, lost))
         except BaseException:
             self._requests.pop(request_id, None)
             self._joined_window = joined_before

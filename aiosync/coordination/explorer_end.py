@@ -25,11 +25,13 @@ from .._strict import check_seconds
 from ..aio import leave_task_group
 from ..errors import ApplyError, EndOfStream, ExplorerLostError, HandshakeError, PeerTimeoutError, \
     StateTransitionError, TransportError
+from ..syncers.base import LosesWeights
 from ..syncers.factory import SyncerFactory, syncer_factory
 from ..transports.base import Transport
 from .applier import Applier
 from .config import SynchronizerConfig
 from .metrics import RunningStat
+from .shard_routes import RoutedLane
 from .mux import Mux
 from .protocol import UNSERVED, Attached, Close, Control, Heartbeat, Hello, Leave, Notice, Refused, Served, Welcome
 from .slots import PolicySlot
@@ -64,13 +66,16 @@ class ExplorerEnd:
     whose docstring describes the arguments."""
 
     def __init__(self, name: str, model: Any, transport: Transport, *, weight_syncer: Any = None,
-                 connect_timeout: float = 120.0, close_timeout: float | None = None) -> None:
+                 connect_timeout: float = 120.0, close_timeout: float | None = None,
+                 shard_routes: Any = None) -> None:
         self.name = name
         self.slot: PolicySlot = model if isinstance(model, PolicySlot) else PolicySlot(model)
         self.transport = transport
         self.connect_timeout = check_seconds("Explorer connect_timeout", connect_timeout)
         self.close_timeout = None if close_timeout is None else check_seconds("Explorer close_timeout", close_timeout)
         self._weight_syncer = weight_syncer
+        #: Direct routes to a sharded trainer's ranks (:class:`~aiosync.syncers.patch.shards_direct.ShardRoutes`).
+        self.shard_routes = shard_routes
         self.state = StatusCell(f"explorer {name}")
         self.step = 0
         self.outcomes: dict[str, int] = {}
@@ -85,6 +90,11 @@ class ExplorerEnd:
         self._calls = 0
         self._running = False
         self._user_stopped = False
+        #: Why the model lost its weights outside aiosync, until a request for its repair went out.
+        self._lost: str | None = None
+        self._lost_event = anyio.Event()
+        if isinstance(self.slot.model, LosesWeights):  # a server that may restart: told when it did
+            self.slot.model.on_weights_lost(self._weights_lost)
         self._new_session()
 
     def _new_session(self) -> None:
@@ -189,6 +199,7 @@ class ExplorerEnd:
                     tg.cancel_scope.cancel()
                 else:
                     tg.start_soon(self._heartbeat)
+                    tg.start_soon(self._repair_losses)
                     task_status.started(self)
                     started = True
                     await self._finished.wait()
@@ -285,7 +296,8 @@ class ExplorerEnd:
             syncers = syncer_factory(syncers)
         self.transport.use_comm_options(syncers.comm_options)  # W4 on this end too (ConfigError if it cannot)
         self.mux.set_timeout(cfg.delivery_timeout)
-        self.applier = Applier(self.name, self.slot, self.mux.data, syncers, timeout=cfg.delivery_timeout,
+        lane = self.mux.data if self.shard_routes is None else RoutedLane(self.mux.data, self.shard_routes)
+        self.applier = Applier(self.name, self.slot, lane, syncers, timeout=cfg.delivery_timeout,
                                on_busy_change=lambda busy: self._notify())
         await tg.start(self.applier.run)
         with anyio.move_on_after(cfg.sync_timeout + cfg.delivery_timeout):
@@ -413,6 +425,23 @@ class ExplorerEnd:
         elif msg.event in ("delivering", "settled"):
             self._delivering = msg.event == "delivering"
         self._notify()
+
+    def _weights_lost(self, reason: str) -> None:
+        """The model lost the weights of its version where they live (a server restarted): it
+        reports none from now on (leases wait), and asks for a bootstrap (:meth:`_repair_losses`)."""
+        self.slot.lose(reason)
+        self._lost = reason
+        self._lost_event.set()
+        self._notify()
+
+    async def _repair_losses(self) -> None:
+        """Ask for a bootstrap whenever the model lost its weights (``SyncRequest.lost``)."""
+        while not self.closed:
+            await self._lost_event.wait()  # the session's end cancels this task
+            self._lost_event = anyio.Event()
+            reason, self._lost = self._lost, None
+            if reason is not None and not self.closed and self.error is None:
+                await self._ask(False, lost=reason)
 
     async def _heartbeat(self) -> None:
         """Tell the session this explorer is alive, while its loop shows signs of life."""

@@ -47,8 +47,9 @@ from ..messages import message
 #: whole-state verification (:class:`Verify`, :class:`Verified`, ``Hello.dtypes``), the
 #: handshake's ``shares`` and the bucket manifest's ``__aiosync__.shares``. 5: the closing
 #: synchronizer's last :class:`Close` (reason :data:`UNSERVED`, not answered: an explorer of 4
-#: would answer it on a wire nobody reads), :class:`ShardServe` between a sharded trainer's ranks.
-PROTOCOL = 5
+#: would answer it on a wire nobody reads), :class:`ShardServe` between a sharded trainer's ranks. 6:
+#: ``SyncRequest.lost`` (the explorer's model lost its weights outside aiosync: bootstrap it).
+PROTOCOL = 6
 
 _INT64 = 1 << 63
 #: What each field kind accepts (a received message is rebuilt through ``__init__``, so a peer's
@@ -253,11 +254,14 @@ class Attached(Control):
 
 @message
 @dataclass(eq=False)
-@_fields(id="i")
+@_fields(id="i", lost="s?")
 class SyncRequest(Control):
-    """Explorer → session: ask for the newest weights (``Explorer.sync_weight``)."""
+    """Explorer → session: ask for the newest weights (``Explorer.sync_weight``). ``lost``:
+    why the explorer's model no longer holds any version it was given (a server that
+    restarted): the session then counts it as holding none, and the delivery bootstraps it."""
 
     id: int
+    lost: str | None = None
 
 
 @message

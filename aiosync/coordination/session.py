@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +46,17 @@ def _describe(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class ExplorerStatistics(LineStatistics):
     """The synchronizer's view of one explorer (B6): its delivery line's counters, plus its
-    status, version and whether it was lost."""
+    status, version and whether it was lost. ``model``: the snapshot of the explorer's model's
+    own ``statistics()`` for an explorer in this process whose model has one (a ``vllm
+    serve`` server's :class:`~aiosync.engines.vllm_server.ServerStatistics`, a
+    ``VLLMTarget``'s), else ``None``."""
 
     name: str
     status: str
     version: int | None
     step: int
     lost: bool
+    model: Any = None
 
 
 class ExplorerSession:
@@ -68,6 +73,8 @@ class ExplorerSession:
         self.step = 0
         #: Why the explorer was lost (its process died, its wire broke, it went silent), or ``None``.
         self.error: BaseException | None = None
+        #: The explorer's model's ``statistics`` (an explorer in this process), for :meth:`statistics`.
+        self.model_statistics: Callable[[], Any] | None = None
         self.closed = False
         self._attached = False
         self._closing = False
@@ -111,8 +118,14 @@ class ExplorerSession:
         fields = {f.name: getattr(line, f.name) for f in dataclasses.fields(line)}
         if self.error is not None:
             fields["last_error"] = f"{type(self.error).__name__}: {self.error}"
+        model = None
+        if self.model_statistics is not None:
+            try:
+                model = self.model_statistics()
+            except Exception as exc:  # a model's own counters never break the synchronizer's
+                model = {"error": f"{type(exc).__name__}: {exc}"}
         return ExplorerStatistics(**fields, name=self.name, status=self.status.name, version=self.version,
-                                  step=self.step, lost=self.lost)
+                                  step=self.step, lost=self.lost, model=model)
 
     # -- the task ----------------------------------------------------------------------
 
@@ -278,6 +291,12 @@ class ExplorerSession:
         if isinstance(msg, Heartbeat):
             self.step = max(self.step, msg.step)
         elif isinstance(msg, SyncRequest):
+            if msg.lost is not None:  # its model lost its weights (a restarted server): it holds none, bootstrap it
+                log.warning("aiosync: explorer %s lost its weights (version %s): %s", self.name,
+                            self.line.applied_version, msg.lost)
+                line = self.line
+                line.applied_version, line.needs_reinit, line.bootstrap_first = None, True, True
+                line.stats.last_error = f"lost its weights: {msg.lost}"
             seq = self.hub.request(self.line, self.line.applied_version)
             if seq is None:
                 await self.mux.send_quietly(Served(msg.id, "trainer_stopped", self.line.applied_version))

@@ -52,6 +52,7 @@ from ..errors import ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutE
 from ..syncers.base import recv_with_timeout
 from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
+from ..syncers.patch.shards_direct import PartCache
 from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
 from .protocol import ShardClose, ShardGo, ShardServe
@@ -72,7 +73,9 @@ def _names(model: Any, names: Iterable[str] | None) -> list[str]:
 
 class ShardPeer:
     """A rank of a sharded trainer that does not run the synchronizer: serves the commands of
-    the rank that does, over ``transport`` (see the module docstring).
+    the rank that does, over ``transport`` (see the module docstring). ``routes``: a channel
+    to each explorer — direct routes: this rank's parts go straight to the explorers, which
+    fetch them (their ``Explorer(shard_routes=...)``); the synchronizer's rank forwards refs only.
 
     ``model``: the rank's module (its state dict holds DTensors) or a mapping of its pieces
     (DTensors, :class:`~aiosync.checkpoints.TensorSlice`). ``rank``: its shard's index among
@@ -81,7 +84,8 @@ class ShardPeer:
     """
 
     def __init__(self, model: Any, transport: Transport, *, rank: int | None = None,
-                 names: Iterable[str] | None = None, timeout: float = 600.0) -> None:
+                 names: Iterable[str] | None = None, timeout: float = 600.0,
+                 routes: Iterable[Transport] | None = None) -> None:
         if rank is None:
             import torch.distributed as dist
 
@@ -97,10 +101,15 @@ class ShardPeer:
         self.error: BaseException | None = None
         self.server = ShardServer(rank, lambda: module_state_dict(self.model), _names(model, names), transport.send,
                                   lambda: self.step)
+        #: Direct routes: a channel to each explorer (:mod:`aiosync.syncers.patch.shards_direct`).
+        self.routes = list(routes) if routes is not None else None
+        if self.routes is not None:
+            self.server.cache = PartCache(rank, timeout=timeout)
         self._go = 0
         self._serving = anyio.Event()
         self._changed = anyio.Event()
         self._tg: Any = None
+        self._routes_open = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -119,7 +128,26 @@ class ShardPeer:
         await self._tg.__aenter__()
         self._serving.set()  # before the first step: the weights do not change yet
         self._tg.start_soon(self._read)
+        for route in self.routes or ():
+            self.serve_route(route)
         return self
+
+    def serve_route(self, route: Transport) -> None:
+        """Serve one more explorer's direct route (an explorer that joins later, or came back on a
+        new channel); the peer must have been made with ``routes`` (``[]`` for none yet) and be
+        entered."""
+        if self.server.cache is None or self._tg is None:
+            raise ConfigError("ShardPeer.serve_route: make the peer with routes=[...] (direct routes) and enter it "
+                              "first")
+        self._routes_open += 1
+        self._tg.start_soon(self._serve_route, route)
+
+    async def _serve_route(self, route: Transport) -> None:
+        try:
+            await self.server.cache.serve(route.send, route.recv)
+        finally:
+            self._routes_open -= 1
+            self._notify()
 
     async def step_done(self) -> None:
         """The end of one train step on this rank: carry out rank 0's commands for this step,
@@ -150,6 +178,10 @@ class ShardPeer:
                 self._serving.set()
                 with anyio.move_on_after(self.timeout):
                     while not self.closed:
+                        await self._changed.wait()
+            if exc[0] is None:  # every explorer's process says goodbye: nothing is left posted
+                with anyio.move_on_after(self.timeout):
+                    while self._routes_open:
                         await self._changed.wait()
         finally:
             self._tg.cancel_scope.cancel()

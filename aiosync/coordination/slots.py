@@ -81,6 +81,8 @@ class SlotStats:
     #: The most leases one apply had to wait for (those held when it asked: new ones wait for
     #: it). With segmented rollouts, at most one segment per rollout.
     max_leases_waited_for: int = 0
+    #: Times the model lost the weights of its version outside aiosync (:meth:`PolicySlot.lose`).
+    losses: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class SlotStatistics:
     max_lease_wait_s: float
     max_concurrent_leases: int
     max_leases_waited_for: int
+    losses: int
     #: Applies waiting for the leases in use to end.
     writers_waiting: int
 
@@ -176,12 +179,28 @@ class PolicySlot(Generic[M]):
 
     def _why_waiting(self) -> str:
         if self.version is None:
+            if self.last_error is not None and self.stats.losses:
+                return f"the model lost its weights and none were applied since ({self.last_error})"
             return "no weights were applied yet"
         if self._writing:
             return "an apply held the model (writing) all that time"
         return (f"an apply waited for {self._readers} lease(s) held by other tasks to end, and new leases wait "
                 "behind it (writer preference): a lease is held longer than this timeout — hold leases for "
                 "shorter, or use explorer.rollout() segments for long rollouts")
+
+    def lose(self, reason: str) -> None:
+        """The model no longer holds the weights of :attr:`version`: they were replaced where
+        they live, outside aiosync (a ``vllm serve`` process that restarted holds the weights
+        it was started from). The version becomes ``None`` until the next apply lands, so the
+        slot never reports weights it does not hold: new leases wait for that apply (bounded by
+        their timeout); leases held now keep their ``(model, version)``. ``reason`` becomes
+        :attr:`last_error` (an :class:`~aiosync.errors.ApplyError`); ``stats.losses`` counts."""
+        if self.version is None and self.stats.losses and self.last_error is not None:
+            return  # already lost, not applied since
+        self.version = None
+        self.last_error = ApplyError(reason)
+        self.stats.losses += 1
+        self._notify()
 
     # -- readers ----------------------------------------------------------------------
 

@@ -289,7 +289,8 @@ class Synchronizer:
         self.hub.stalled = shards.stalled  # a delivery that times out names the rank it waited for
         self.shards = shards
 
-    async def attach_explorer(self, name: str, model: Any, *, version: int | None = None) -> Explorer:
+    async def attach_explorer(self, name: str, model: Any, *, version: int | None = None,
+                              shard_routes: Any = None) -> Explorer:
         """Attach an explorer in this process: its rollout model (an ``nn.Module``, a dict of
         tensors, or a ready :class:`PolicySlot`) gets the trainer's current weights — the syncer
         pair's init conversation (bootstrap), then a first, always blocking, sync. Explorers may
@@ -299,7 +300,9 @@ class Synchronizer:
         With NCCL, call it while the trainer's weights are not changing (e.g. from the trainer's
         task): the first sync is built from the live tensors. A patch syncer whose ``init_sync``
         is off bootstraps the explorer anyway, unless it declares ``version`` equal to the
-        trainer's (its model already holds those weights, as the seed assumes).
+        trainer's (its model already holds those weights, as the seed assumes). ``shard_routes``:
+        this process's channels to a sharded trainer's ranks that send their parts directly
+        (:class:`~aiosync.syncers.patch.shards_direct.ShardRoutes`).
         """
         tg = self._require_started()
         if self.trainer is None:
@@ -314,8 +317,10 @@ class Synchronizer:
         self._transports += [sync_end, explorer_end]
         cfg = self.config
         session = ExplorerSession(self.hub, sync_end)
+        stats = getattr(slot.model, "statistics", None)
+        session.model_statistics = stats if callable(stats) else None  # in its metrics line (a server's state)
         explorer = Explorer(name, slot, explorer_end, weight_syncer=self.hub.syncers,
-                            connect_timeout=cfg.sync_timeout + cfg.delivery_timeout)
+                            connect_timeout=cfg.sync_timeout + cfg.delivery_timeout, shard_routes=shard_routes)
         try:
             await tg.start(session.run)
             if cfg.method is not SyncMethod.NCCL:

@@ -16,8 +16,12 @@ the server decodes it against its own copy of the weights and updates the engine
 transaction. Several servers take the same encoded patch (a fan-out shares it).
 
 A server that restarted comes back holding the weights it was started from, under a new run
-id: the next request notices (its signature names the old run), the delivery fails, and the
-synchronizer's next delivery bootstraps the server. Every request is bounded by ``timeout``.
+id. The client notices at its next contact — a signed call refused as meant for the old run,
+a completion whose answer names the new run (``x-aiosync-server``), ``hello()``, or, after the
+server could not be reached, the check it makes before its next request — and tells the
+explorer (:class:`~aiosync.syncers.base.LosesWeights`): from then on the explorer reports no
+version, its leases wait, and it asks for a bootstrap, which the synchronizer delivers at
+once. Every request is bounded by ``timeout``.
 """
 
 from __future__ import annotations
@@ -31,16 +35,20 @@ import anyio
 
 from ..errors import ApplyError, AuthenticationError, ConfigError, PeerTimeoutError, TransportError
 from ..syncers.base import StagedWrite, WeightSyncer
-from .auth import Signer, load_key
-from .vllm_server_protocol import (CALL, HELLO, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall, from_bytes,
-                                   in_thread_if_large, rebuild_error, syncer_config, to_bytes)
+from .auth import SERVER, Signer, load_key
+from .vllm_server_protocol import (CALL, HELLO, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall,
+                                   from_bytes, in_thread_if_large, rebuild_error, syncer_config, to_bytes)
 
 
 @dataclass(frozen=True)
 class ServerStatistics:
-    """A snapshot of a :class:`VLLMServer`'s counters: requests made, bytes sent to and
-    received from the server (aiosync's calls only), restarts noticed, calls the server
-    refused, and the version the server last said it holds."""
+    """A snapshot of a :class:`VLLMServer`'s counters: the server's URL and run id
+    (``server``), the version the server last said it holds (``None``: none given, or it
+    restarted), requests made, bytes sent to and received from the server (aiosync's calls
+    only), restarts noticed, calls the server refused, the last error this client saw (a
+    refused or failed call, an unreachable server), and ``state``: the server's own counters
+    as it last reported them with a signed answer or ``GET /aiosync/state`` (its version,
+    writes, the bytes it received, its last error, the engine's pauses, ...)."""
 
     url: str
     server: str | None
@@ -50,6 +58,8 @@ class ServerStatistics:
     bytes_received: int
     restarts: int
     refused: int
+    last_error: str | None = None
+    state: dict | None = None
 
 
 def parse_versions(value: str | None) -> tuple[int | None, ...]:
@@ -87,18 +97,41 @@ class VLLMServer:
         self._stats = {"calls": 0, "bytes_sent": 0, "bytes_received": 0, "restarts": 0, "refused": 0}
         self._lock = anyio.Lock()  # signed calls go one at a time, in counter order
         self._receivers = itertools.count()
+        #: Told when the server restarted (its weights are lost): the explorer holding this model.
+        self._on_lost: Any = None
+        #: The server could not be reached: ask which run it is before the next request.
+        self._recheck = False
+        self._last_error: str | None = None
+        self._state: dict | None = None  # the server's counters, as it last reported them
 
     def __repr__(self) -> str:
         return f"VLLMServer({self.url!r}, version={self.version})"
 
     def statistics(self) -> ServerStatistics:
-        return ServerStatistics(self.url, self.server, self.version, **self._stats)
+        """A snapshot of this client's counters and the server's last reported state (cheap:
+        no request; ``await state()`` asks the server now)."""
+        return ServerStatistics(self.url, self.server, self.version, **self._stats, last_error=self._last_error,
+                                state=None if self._state is None else dict(self._state))
 
     # -- the explorer's side (ReceiverHost) ------------------------------------------------
 
     def host_receiver(self, syncer: WeightSyncer) -> WeightSyncer:
         """The syncer the explorer drives for this server: ``syncer``'s twin, running there."""
         return ForwardingReceiver(self, syncer, next(self._receivers))
+
+    def on_weights_lost(self, callback: Any) -> None:
+        """``callback(reason)`` when this client notices that the server restarted (it holds
+        its start-up weights now); the explorer that holds this model registers itself
+        (:class:`~aiosync.syncers.base.LosesWeights`; the latest registered is told)."""
+        self._on_lost = callback
+
+    def _restarted(self, server: str | None, how: str) -> None:
+        """The server is a new run (``server``; ``None``: unknown yet): what it held is lost."""
+        self._stats["restarts"] += 1
+        held, self.server, self.version, self._state = self.version, server, None, None
+        if self._on_lost is not None:
+            self._on_lost(f"the vLLM server at {self.url} restarted ({how}): it holds the weights it was started "
+                          f"from, not version {held}")
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -110,6 +143,13 @@ class VLLMServer:
         return self._client
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            return await self._send(method, path, **kwargs)
+        except (PeerTimeoutError, TransportError) as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            raise
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> Any:
         import httpx
 
         try:
@@ -122,6 +162,7 @@ class VLLMServer:
             raise PeerTimeoutError(f"the vLLM server at {self.url} did not answer {method} {path} in time: "
                                    f"{type(exc).__name__}") from None
         except httpx.HTTPError as exc:
+            self._recheck = self.server is not None  # it may come back as a new run: ask before the next request
             raise TransportError(f"cannot reach the vLLM server at {self.url} ({method} {path}): "
                                  f"{type(exc).__name__}: {exc}") from None
 
@@ -132,14 +173,19 @@ class VLLMServer:
             raise ConfigError(f"{self.url} has no aiosync routes: start vllm serve with --middleware "
                               "aiosync.engines.vllm_server_app.AiosyncApp (and the aiosync weight-transfer backend)")
         info = self._json(response, HELLO)
+        self._recheck = False
         if self.server is not None and info["server"] != self.server:
-            self._stats["restarts"] += 1
+            self._restarted(info["server"], "GET /aiosync/hello names a new run")
         self.server = info["server"]
         return info
 
     async def state(self) -> dict:
-        """What the server holds and did (``GET /aiosync/state``; not authenticated: informative)."""
-        return self._json(await self._request("GET", STATE), STATE)
+        """What the server holds and did (``GET /aiosync/state``; not authenticated: informative);
+        also kept for :meth:`statistics` unless it names another run than this client's."""
+        state = self._json(await self._request("GET", STATE), STATE)
+        if self.server is None or state.get("server") == self.server:
+            self._state = state
+        return state
 
     def _json(self, response: Any, path: str) -> dict:
         if response.status_code != 200:
@@ -149,8 +195,18 @@ class VLLMServer:
 
     async def call(self, call: ServerCall, size_hint: int = 0) -> ServerAnswer:
         """One signed step of the receiver's work on the server; its answer, checked."""
+        try:
+            answer = await self._call(call, size_hint)
+        except Exception as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            raise
+        if answer.state == "failed":
+            self._last_error = f"{answer.error_type}: {answer.error}"
+        return answer
+
+    async def _call(self, call: ServerCall, size_hint: int) -> ServerAnswer:
         async with self._lock:
-            if self.server is None:
+            if self.server is None or self._recheck:
                 await self.hello()
             body = await to_bytes(call, size_hint)
             headers = await in_thread_if_large(self.signer.sign, body, "POST", CALL, self.server, body)
@@ -170,6 +226,8 @@ class VLLMServer:
         if not isinstance(answer, ServerAnswer):
             raise ApplyError(f"the vLLM server at {self.url} answered with a {type(answer).__name__}")
         self.version = answer.version
+        if isinstance(answer.server, dict):
+            self._state = answer.server
         return answer
 
     async def _refused(self, response: Any) -> None:
@@ -179,8 +237,7 @@ class VLLMServer:
             info = {}
         self._stats["refused"] += 1
         if info.get("reason") == "other_server":  # the server restarted since we last asked
-            self.server, self.version = info.get("server"), None
-            self._stats["restarts"] += 1
+            self._restarted(info.get("server"), "it refused a call signed for its earlier run")
             raise ApplyError(f"the vLLM server at {self.url} restarted: it holds the weights it was started from "
                              "(the next sync bootstraps it)")
         raise AuthenticationError(f"the vLLM server at {self.url} refused the update: {info.get('error', response.text)}",
@@ -192,11 +249,17 @@ class VLLMServer:
                           ) -> tuple[dict, tuple[int | None, ...]]:
         """POST an OpenAI completion request (``body`` without ``model`` gets the server's);
         returns its JSON answer and the versions whose weights generated it (oldest first;
-        ``None``: the weights the server was started with)."""
+        ``None``: the weights the server was started with). An answer from a new run of the
+        server (it restarted) tells the explorer first (:meth:`on_weights_lost`)."""
         body = dict(body)
         if "model" not in body:
             body["model"] = await self._model()
+        if self._recheck:
+            await self.hello()
         response = await self._request("POST", path, json=body)
+        run = response.headers.get(SERVER)
+        if run is not None and self.server is not None and run != self.server:
+            self._restarted(run, f"an answer of {path} names a new run")
         if response.status_code != 200:
             raise TransportError(f"the vLLM server at {self.url} answered {path} with {response.status_code}: "
                                  f"{response.text[:300]}")

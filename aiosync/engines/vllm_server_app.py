@@ -27,7 +27,8 @@ and attach it from the trainer's process as an explorer's model,
   before the answer started (a write in progress then is waited for). For a streamed answer
   that is when its first chunk goes out; vLLM's own per-token spans are on
   ``/inference/v1/generate`` (``--enable-scale-out``). ``none`` stands for the weights the
-  server was started with.
+  server was started with. ``x-aiosync-server`` names the server's run: a client that sees a
+  new one knows the server restarted (its weights are the start-up ones).
 
 It needs one API server process (``--api-server-count 1``, the default) and the server's
 lifespan (uvicorn's default): the receivers' conversations run in a task group that lives as
@@ -48,9 +49,9 @@ import anyio
 from ..aio import run_sync
 from ..errors import ApplyError, AuthenticationError, PayloadError
 from ..syncers.base import StagedWrite, WeightSyncer
-from .auth import Verifier, load_key
-from .vllm_server_protocol import (CALL, HELLO, OPS, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall, error_fields,
-                                   from_bytes, in_thread_if_large, to_bytes)
+from .auth import SERVER, Verifier, load_key
+from .vllm_server_protocol import (CALL, HELLO, OPS, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall,
+                                   error_fields, from_bytes, in_thread_if_large, to_bytes)
 
 log = logging.getLogger("aiosync.engines")
 
@@ -366,9 +367,7 @@ class AiosyncApp:
         if method == "GET" and path in (HELLO, STATE):
             info = {"server": self.verifier.server, "keyed": self.verifier.key is not None,
                     "refused": dict(self.verifier.refused)}
-            if path == STATE:
-                info.update(self.end.state() if self.end is not None else {"version": None})
-            await _respond(send, 200, _json(info), "application/json")
+            await _respond(send, 200, _json(self._state() if path == STATE else info), "application/json")
             return
         if method != "POST" or path != CALL:
             await _respond(send, 404, _json({"error": f"no aiosync route {method} {path}"}), "application/json")
@@ -390,11 +389,19 @@ class AiosyncApp:
         except Exception as exc:  # a malformed call: refused, nothing done
             answer = ServerAnswer("failed", version=None if self.end is None else self.end.version,
                                   **error_fields(exc))
+        answer.server = self._state()
         data = await to_bytes(answer)
         if self.end is not None:
             self.end.stats["bytes_sent"] += len(data)
         signature = await in_thread_if_large(self.verifier.sign_answer, data, headers, 200, data)
         await _respond(send, 200, data, "application/octet-stream", signature)
+
+    def _state(self) -> dict:
+        """What ``GET /aiosync/state`` answers: the run, what it holds, its counters."""
+        info = {"server": self.verifier.server, "keyed": self.verifier.key is not None,
+                "refused": dict(self.verifier.refused), "started": self.started}
+        info.update(self.end.state() if self.end is not None else {"version": None})
+        return info
 
     async def _guarded(self, scope: dict, receive: Any, send: Any, path: str) -> None:
         try:
@@ -412,8 +419,8 @@ class AiosyncApp:
             if message["type"] == "http.response.start":
                 versions = [version] if self.end is None else await self.end.versions_since(version, count)
                 value = ",".join("none" if v is None else str(v) for v in versions)
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (VERSIONS_HEADER.encode(), value.encode())]}
+                message = {**message, "headers": [*message.get("headers", []), (VERSIONS_HEADER.encode(), value.encode()),
+                                                  (SERVER.encode(), self.verifier.server.encode())]}
             await send(message)
 
         await self.app(scope, receive, stamped)

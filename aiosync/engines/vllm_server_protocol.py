@@ -68,7 +68,8 @@ class ServerAnswer:
     """What a :class:`ServerCall` did: ``state`` (``"wants"``, ``"done"``, ``"failed"``), the
     messages the receiver sent meanwhile (``out``), the version the engine holds now
     (``version``), and for ``stage`` / ``write`` the version staged or written with the
-    receiver's figures."""
+    receiver's figures. ``server``: the server's counters as of this answer (what
+    ``GET /aiosync/state`` says: version, writes, bytes received, last error, ...)."""
 
     state: str
     out: list = field(default_factory=list)
@@ -79,6 +80,7 @@ class ServerAnswer:
     stage_s: float = 0.0
     error_type: str | None = None
     error: str | None = None
+    server: dict | None = None
 
 
 def syncer_config(syncer: WeightSyncer) -> dict:

@@ -5,7 +5,7 @@ Top level — the interface and what builds syncers:
 
 * :mod:`.base` — the interface (W1), the registry behind ``WeightSyncer.create`` (W2),
   staging (F3: :class:`StagedWrite`), :class:`CommitTarget`, :class:`RemoteTarget` (and its
-  :class:`RemoteWrite`), :class:`ReceiverHost` and :class:`SyncStatistics`
+  :class:`RemoteWrite`), :class:`ReceiverHost`, :class:`LosesWeights` and :class:`SyncStatistics`
 * :mod:`.config` — the ``weight_syncer`` config group as dataclasses
 * :mod:`.factory` — :func:`create_syncer`, :func:`syncer_factory` (what a synchronizer uses)
 * :mod:`.faults` — receivers whose writes fail on purpose (simulation, tests)
@@ -28,7 +28,7 @@ no numba kernel (they load on first use, off the event loop).
 """
 
 from .base import (
-    CommitTarget, ReceiverHost, RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer,
+    CommitTarget, LosesWeights, ReceiverHost, RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer,
 )
 from .bucket.format import iter_named_tensor_buckets
 from .bucket.syncer import BucketWeightSyncer
@@ -41,7 +41,7 @@ from .patch.syncer import PatchWeightSyncer
 
 __all__ = [
     "WeightSyncer", "PatchWeightSyncer", "BucketWeightSyncer", "StagedWrite", "CommitTarget", "RemoteTarget",
-    "RemoteWrite", "ReceiverHost", "SyncStatistics", "SyncerFactory",
+    "RemoteWrite", "ReceiverHost", "LosesWeights", "SyncStatistics", "SyncerFactory",
     "syncer_factory", "create_syncer", "WeightPatch", "EmptyWeightPatch", "CompressedWeightPatch",
     "ReceiverMetadata", "SenderHello", "as_coo_2d_view", "downscale_nonnegative_indices", "delta_encode",
     "delta_decode", "collect_param_names_need_sync", "gather_full_state", "iter_named_tensor_buckets",

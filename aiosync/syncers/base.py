@@ -191,6 +191,17 @@ class ReceiverHost(Protocol):
     def host_receiver(self, syncer: "WeightSyncer") -> "WeightSyncer": ...
 
 
+@runtime_checkable
+class LosesWeights(Protocol):
+    """A receiver model whose weights can be replaced where they live, outside aiosync (a
+    ``vllm serve`` process that restarted comes back holding the weights it was started
+    from). ``on_weights_lost(callback)``: call ``callback(reason)`` whenever that is noticed
+    (the latest callback registered is the one told); the explorer holding the model then
+    reports no version until a bootstrap lands, and asks for one."""
+
+    def on_weights_lost(self, callback: Callable[[str], None]) -> None: ...
+
+
 class WeightSyncer(ABC):
     """Base class of :class:`PatchWeightSyncer` and :class:`BucketWeightSyncer`.
 

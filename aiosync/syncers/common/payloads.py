@@ -243,3 +243,41 @@ class ShardDone:
     ok: bool
     error: str | None = None
     stats: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- direct routes
+# A shard rank that sends its parts straight to the explorers (aiosync.syncers.patch.shards_direct):
+# the synchronizer's rank forwards only where a part is, each explorer fetches it from that rank.
+
+
+@message
+@dataclass(eq=False)
+class ShardRef:
+    """Where shard rank ``rank``'s part is (a version's patch, or a bootstrap bucket): under
+    ``key`` on that rank, ``nbytes`` long. Stands in for the part in what the synchronizer's
+    rank sends; the explorer fetches it from that rank alone (:class:`ShardFetch`)."""
+
+    rank: int
+    key: str
+    nbytes: int = 0
+
+
+@message
+@dataclass(eq=False)
+class ShardFetch:
+    """An explorer asks a shard rank for the part under ``key`` (request ``id``)."""
+
+    id: int
+    key: str
+
+
+@message
+@dataclass(eq=False)
+class ShardPart:
+    """A shard rank's answer to :class:`ShardFetch` ``id``: the part (``payload``), or why it
+    has none (``error``: never built, or evicted)."""
+
+    id: int
+    key: str
+    payload: Any = None
+    error: str | None = None

@@ -31,8 +31,8 @@ from ..common.indexing import as_coo_2d_view, coo_2d_shape
 from ..common.integrity import drift_hash, read_checksums, tensor_checksum
 from .format import DecodedTensor, TensorLayout, _check_header, _int_tensor, decode_patch
 from .handshake import is_int
-from ..common.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, Stamped,
-    WeightPatch)
+from ..common.payloads import (CompressedWeightPatch, EmptyWeightPatch, ReceiverMetadata, ShardedPatch, ShardRef,
+    Stamped, WeightPatch)
 from .shard_layout import shard_metadata, shard_views, tiling_problem
 from ..common.bits import np_bits, as_bits
 from ..common.staging import Journal
@@ -434,6 +434,9 @@ def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None,
                            f"{len(state.shards)}")
     parts = []
     for r, (shard, part) in enumerate(zip(state.shards, inner.shards)):
+        if isinstance(unshare(part), ShardRef):  # a direct route's part that was never fetched
+            raise PayloadError(f"shard {r} of sharded patch {version} did not arrive from shard rank "
+                               f"{unshare(part).rank}; refused whole, nothing was written")
         sub = shard.state if stamp is None else ReceiverState(shard.state.keys, shard.state.layouts, None)
         prepared = prepare_patch(unshare(part), sub, version_now, shard_views(target, shard.rows),
                                  verify_checksums=verify_checksums)

@@ -49,7 +49,8 @@ from ..bucket.format import check_version
 from .handshake import check_metadata, is_int
 from .shard_layout import shard_layout, shard_metadata, shard_rows
 from ..common.payloads import (EmptyWeightPatch, ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop,
-    ShardedPatch, ShardHello, ShardInit)
+    ShardedPatch, ShardHello, ShardInit, ShardRef)
+from .shards_direct import PartCache, is_ref
 
 #: Scratch of a shard's builder, as a fraction of its elements (bounded to [64 Ki, 4 Mi] elements
 #: per chunk): sender memory stays about one shard snapshot.
@@ -91,6 +92,11 @@ class ShardServer:
     peak_bytes: int = 0
     #: Bytes of the snapshots alone (the shard's pieces, in the receivers' dtypes), last seen.
     snapshot_nbytes: int = 0
+    #: Direct routes (:mod:`.shards_direct`): this rank's parts wait here for the explorers to
+    #: fetch, and the synchronizer's rank gets refs; ``None``: parts go to that rank (relayed).
+    cache: PartCache | None = None
+    #: Bytes of the patches this rank built (each encoded once, however many explorers take it).
+    patch_bytes: int = 0
 
     def hello(self) -> ShardHello:
         _, layout = shard_layout(self.live(), self.rank, self.names)
@@ -123,6 +129,21 @@ class ShardServer:
         except Exception as exc:  # told to the synchronizer's rank, which repairs
             await self.send(ShardDone(cmd.sender, False, _describe(exc)))
 
+    def _init_send(self, sender: int) -> SendFn:
+        """Where an init conversation's answers go: with direct routes, each bootstrap bucket
+        waits in the cache for its explorer and the synchronizer's rank gets its ref."""
+        cache = self.cache
+        if cache is None:
+            return self.send
+
+        async def send(msg: Any) -> None:
+            if isinstance(msg, (SenderHello, ShardDone)):
+                await self.send(msg)
+            else:
+                await cache.bucket(sender, msg, self.send)
+
+        return send
+
     async def _init(self, cmd: ShardInit) -> None:
         tensors, _ = shard_layout(self.live(), self.rank, self.names)
         if cmd.accept:  # one more receiver onto an existing sender: no new snapshot
@@ -130,7 +151,8 @@ class ShardServer:
             if syncer is None:
                 raise PatchChainError(f"shard rank {self.rank} has no sender {cmd.sender} to take a receiver onto",
                                       expected_base=None, receiver_version=None)
-            await syncer.accept(tensors, cmd.meta, self.send, like=_shard_syncer(cmd.config, cmd.bootstrap))
+            await syncer.accept(tensors, cmd.meta, self._init_send(cmd.sender),
+                                like=_shard_syncer(cmd.config, cmd.bootstrap))
             await self.send(ShardDone(cmd.sender, True, stats={"snapshot_bytes": self.snapshot_bytes}))
             return
         syncer = _shard_syncer(cmd.config, cmd.bootstrap)
@@ -139,7 +161,7 @@ class ShardServer:
             return cmd.meta
 
         self._drop(cmd.sender)
-        await syncer.init_sender(tensors, [k for k in self.names if k in tensors], self.send, recv)
+        await syncer.init_sender(tensors, [k for k in self.names if k in tensors], self._init_send(cmd.sender), recv)
         self.senders[cmd.sender] = syncer
         self._held()
         await self.send(ShardDone(cmd.sender, True, stats={"snapshot_bytes": self.snapshot_bytes}))
@@ -152,7 +174,9 @@ class ShardServer:
         tensors, _ = shard_layout(self.live(), self.rank, self.names)
 
         async def send(patch: Any) -> None:
-            await self.send(Shared(patch))  # encoded once, here; relayed as these bytes
+            part = Shared(patch)  # encoded once, here: relayed as these bytes, or fetched by each explorer
+            self.patch_bytes += payload_nbytes(part)
+            await self.send(part if self.cache is None else self.cache.patch(cmd.sender, cmd.version, part))
 
         await syncer.sync(tensors, send, cmd.version)
         self.builds += 1
@@ -164,6 +188,8 @@ class ShardServer:
                                                            "snapshot_bytes": self.snapshot_bytes}))
 
     def _drop(self, sender: int) -> None:
+        if self.cache is not None:
+            self.cache.drop(sender)
         old = self.senders.pop(sender, None)
         if old is not None:
             old.close()
@@ -218,6 +244,7 @@ class ShardSet:
     relayed_peak: int = 0
     builds: int = 0
     build_s: float = 0.0
+    patch_bytes: int = 0
     _next_id: int = 0
     _stalled: str | None = None
 
@@ -248,6 +275,8 @@ class ShardSet:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def relayed(self, payload: Any) -> None:
+        if is_ref(payload):  # a direct route: the explorers fetch the part from its rank
+            return
         n = payload_nbytes(payload)
         self.relayed_bytes += n
         self.relayed_peak = max(self.relayed_peak, n)
@@ -445,6 +474,7 @@ class ShardedPatchSender(WeightSyncer):
         st = self.local.statistics()
         self.shards.build_s += (st.build_s or 0.0) + (st.encode_s or 0.0)
         parts[0] = Shared(collected[0])
+        self.shards.patch_bytes += payload_nbytes(parts[0])
         stats[0] = {"changed": st.changed, "bytes": st.bytes, "build_s": st.build_s, "encode_s": st.encode_s,
                     "snapshot_bytes": self.snapshot_bytes}
 
@@ -457,7 +487,7 @@ class ShardedPatchSender(WeightSyncer):
         done = await reader.next()
         if isinstance(done, ShardDone):
             reader.finished = True
-        if not isinstance(patch, Shared) or not isinstance(done, ShardDone) or not done.ok:
+        if not isinstance(patch, (Shared, ShardRef)) or not isinstance(done, ShardDone) or not done.ok:
             why = done.error if isinstance(done, ShardDone) else f"a {type(done).__name__} instead of its answer"
             raise PayloadError(f"shard rank {rank} failed to build its patch: {why}")
         parts[i], stats[i] = patch, done.stats

@@ -1,0 +1,254 @@
+"""Direct routes for a sharded trainer: every rank sends its own shard's parts straight to the explorers.
+
+With relayed routes (the default) a shard rank sends its patch of each version, and its bootstrap
+buckets, to the synchronizer's rank, which sends them on to every explorer: that rank's link carries
+the whole model's update. With direct routes a rank keeps its parts (:class:`PartCache`) and sends
+the synchronizer's rank only a :class:`~aiosync.syncers.common.payloads.ShardRef` (where the part
+is, a few bytes) in its place; the synchronizer's rank forwards the refs as it forwarded the parts,
+and each explorer fetches every part from the rank that built it (:class:`ShardRoutes`), all ranks
+at once. No rank sends another rank's bytes.
+
+The version is still one atomic write at each explorer: the receiver validates every shard and
+writes them in one exclusive section (:mod:`aiosync.syncers.patch.receiver`). A part that cannot
+be fetched is asked for again from that rank alone (``retries``); one that still does not come
+stays a :class:`ShardRef`, which the receiver refuses — the version is not applied, and the
+synchronizer repairs that explorer as for any failed delivery.
+
+* A rank's side: ``ShardPeer(model, transport, routes=[transport to each explorer])`` — its
+  :class:`~aiosync.syncers.patch.shards.ShardServer` puts patches in a :class:`PartCache` (the
+  last ``keep`` versions of each lineage, like the synchronizer's packet cache) and answers each
+  explorer's :class:`ShardFetch` from it (:meth:`PartCache.serve`). A bootstrap bucket waits in
+  the cache until its explorer fetched it (bounded), so a rank holds about one bucket at a time.
+* An explorer's side: ``Explorer(..., shard_routes=routes)`` inside ``async with
+  ShardRoutes({rank: transport to that rank}) as routes`` — leaving it tells every rank this
+  process is done, so that no receive is left posted on either side (gloo aborts a process that
+  exits with one).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+
+from ...errors import ClosedResourceError, EndOfStream, PayloadError, PeerTimeoutError, TransportError
+from ...messages import RecvFn, SendFn, payload_nbytes, unshare
+from ..common.payloads import ShardedPatch, ShardFetch, ShardPart, ShardRef, Stamped
+
+log = logging.getLogger("aiosync.sync")
+
+_GONE = (EndOfStream, TransportError, ClosedResourceError)
+#: The key of the fetch an explorer's process sends last on each route (:meth:`ShardRoutes.aclose`).
+BYE = ""
+
+
+@dataclass(eq=False)
+class PartCache:
+    """Shard rank ``rank``'s parts, kept for the explorers to fetch (see the module docstring).
+
+    Counters: ``patch_bytes`` (patches put, one per version and lineage), ``sent_patch_bytes``
+    (patch bytes served, every explorer's fetch counted), ``sent_bytes`` (everything served,
+    bootstrap buckets too), ``fetches`` and ``misses`` (fetches of a part it did not hold)."""
+
+    rank: int
+    keep: int = 8
+    timeout: float = 600.0
+    parts: dict = field(default_factory=dict)
+    order: dict = field(default_factory=dict)
+    patch_bytes: int = 0
+    sent_patch_bytes: int = 0
+    sent_bytes: int = 0
+    fetches: int = 0
+    misses: int = 0
+    _fetched: dict = field(default_factory=dict)
+    _buckets: itertools.count = field(default_factory=itertools.count)
+
+    def patch(self, sender: int, version: int, part: Any) -> ShardRef:
+        """Keep ``part`` (sender ``sender``'s patch of ``version``); its ref for the synchronizer's rank."""
+        key = f"p{sender}:{version}"
+        self.parts[key] = part
+        keys = self.order.setdefault(sender, [])
+        keys.append(key)
+        while len(keys) > self.keep:
+            self.parts.pop(keys.pop(0), None)
+        n = payload_nbytes(part)
+        self.patch_bytes += n
+        return ShardRef(self.rank, key, n)
+
+    async def bucket(self, sender: int, part: Any, send: SendFn) -> None:
+        """Send the synchronizer's rank the ref of bootstrap bucket ``part``, then wait (at most
+        ``timeout``) until its explorer fetched it; it is let go either way."""
+        key = f"b{sender}:{next(self._buckets)}"
+        self.parts[key] = part
+        done = self._fetched[key] = anyio.Event()
+        try:
+            await send(ShardRef(self.rank, key, payload_nbytes(part)))
+            with anyio.move_on_after(self.timeout):
+                await done.wait()
+            if not done.is_set():
+                log.warning("aiosync: shard rank %d: bootstrap bucket %s was not fetched within %ss", self.rank, key,
+                            self.timeout)
+        finally:
+            self.parts.pop(key, None)
+            self._fetched.pop(key, None)
+
+    def drop(self, sender: int) -> None:
+        """Lineage ``sender`` is gone: its patches are let go."""
+        for key in self.order.pop(sender, []):
+            self.parts.pop(key, None)
+
+    def answer(self, fetch: Any) -> ShardPart:
+        """The answer to one :class:`ShardFetch` (counted)."""
+        if not isinstance(fetch, ShardFetch):
+            return ShardPart(-1, "", None, f"shard rank {self.rank} expected a ShardFetch, got {type(fetch).__name__}")
+        self.fetches += 1
+        part = self.parts.get(fetch.key)
+        if part is None:
+            self.misses += 1
+            return ShardPart(fetch.id, fetch.key, None, f"shard rank {self.rank} no longer holds {fetch.key} (evicted "
+                                                        f"after {self.keep} versions, or its lineage was dropped)")
+        n = payload_nbytes(part)
+        self.sent_bytes += n
+        if fetch.key.startswith("p"):
+            self.sent_patch_bytes += n
+        event = self._fetched.get(fetch.key)
+        if event is not None:
+            event.set()
+        return ShardPart(fetch.id, fetch.key, part)
+
+    async def serve(self, send: SendFn, recv: RecvFn) -> None:
+        """Answer one explorer's fetches until it says it is done (:data:`BYE`) or its channel ends
+        (an explorer that dies ends only this). Nothing is left posted after a goodbye."""
+        while True:
+            try:
+                fetch = await recv()
+            except PeerTimeoutError:
+                continue  # idle
+            except _GONE:
+                return
+            if isinstance(fetch, ShardFetch) and fetch.key == BYE:
+                return
+            try:
+                await send(self.answer(fetch))
+            except _GONE:
+                return
+            except PeerTimeoutError as exc:
+                log.warning("aiosync: shard rank %d: an answer to an explorer timed out: %s", self.rank, exc)
+
+
+@dataclass(eq=False)
+class _Route:
+    send: SendFn
+    recv: RecvFn
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+
+class ShardRoutes:
+    """An explorer's process's channels to every shard rank but the synchronizer's: ``{rank:
+    transport}`` (anything with ``send`` / ``recv``), shared by every explorer of the process.
+    :meth:`resolve` puts the parts in place of the refs of a payload, fetched from their ranks
+    at once; ``timeout`` bounds one fetch, ``retries`` more are made of that rank alone.
+
+    Counters: ``received_bytes[rank]`` (parts fetched from each rank), ``packet_bytes`` (sync
+    packets as they came from the synchronizer's rank, refs in place of fetched parts),
+    ``retries_made``, ``missing`` (parts that did not come: their versions were refused). With no
+    channels at all it only counts (relayed routes)."""
+
+    def __init__(self, transports: Mapping[int, Any], *, timeout: float = 60.0, retries: int = 1) -> None:
+        self.routes = {int(r): _Route(t.send, t.recv) for r, t in transports.items()}
+        self.timeout, self.retries = timeout, retries
+        self.received_bytes: dict[int, int] = {r: 0 for r in self.routes}
+        self.packet_bytes = 0
+        self.retries_made = 0
+        self.missing = 0
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> "ShardRoutes":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Tell every rank this process fetches no more (bounded by ``timeout``, quiet)."""
+        with anyio.move_on_after(self.timeout, shield=True):
+            for rank, route in self.routes.items():
+                try:
+                    async with route.lock:
+                        await route.send(ShardFetch(0, BYE))
+                except (*_GONE, PeerTimeoutError) as exc:
+                    log.debug("aiosync: could not tell shard rank %d goodbye: %s", rank, exc)
+
+    async def fetch(self, ref: ShardRef) -> Any:
+        """The part ``ref`` names, from its rank alone; :class:`PayloadError` naming the rank
+        when it does not come after ``retries`` more tries."""
+        route = self.routes.get(ref.rank)
+        if route is None:
+            raise PayloadError(f"a part of shard rank {ref.rank} is sent directly, but this explorer has no route to "
+                               f"that rank: pass shard_routes=ShardRoutes({{rank: transport}}) for every rank > 0")
+        why = ""
+        for attempt in range(1 + self.retries):
+            if attempt:
+                self.retries_made += 1
+            try:
+                answer = await self._ask(route, ref)
+            except (PeerTimeoutError, TimeoutError) as exc:
+                why = f"no answer within {self.timeout}s ({exc})"
+                continue
+            except _GONE as exc:
+                why = f"its channel is gone ({exc})"
+                break
+            if answer.payload is not None:
+                self.received_bytes[ref.rank] += payload_nbytes(answer.payload)
+                return answer.payload
+            why = answer.error or "no part"
+        self.missing += 1
+        raise PayloadError(f"the part {ref.key} of shard rank {ref.rank} did not arrive: {why}")
+
+    async def _ask(self, route: _Route, ref: ShardRef) -> ShardPart:
+        async with route.lock:  # one conversation per channel; stale answers (an earlier timeout) skipped
+            fetch_id = next(self._ids)
+            with anyio.fail_after(self.timeout):
+                await route.send(ShardFetch(fetch_id, ref.key))
+                while True:
+                    answer = await route.recv()
+                    if isinstance(answer, ShardPart) and answer.id == fetch_id:
+                        return answer
+
+    async def resolve(self, payload: Any) -> Any:
+        """``payload`` with every part fetched in place of its ref: a bare ref (a bootstrap bucket;
+        :class:`PayloadError` when it does not come), or the refs among a sharded patch's shards
+        (a part that does not come stays a ref: the receiver refuses that version)."""
+        if isinstance(payload, ShardRef):
+            return await self.fetch(payload)
+        if isinstance(payload, Stamped):
+            inner = await self.resolve(payload.payload)
+            return payload if inner is payload.payload else replace(payload, payload=inner)
+        inner = unshare(payload)
+        if not isinstance(inner, ShardedPatch) or not any(isinstance(p, ShardRef) for p in inner.shards):
+            return payload
+        shards = list(inner.shards)  # a new patch: the one received may be shared by other explorers
+
+        async def one(i: int, ref: ShardRef) -> None:
+            try:
+                shards[i] = await self.fetch(ref)
+            except PayloadError as exc:
+                log.warning("aiosync: %s; version %d will be refused", exc, inner.version)
+
+        async with anyio.create_task_group() as tg:
+            for i, part in enumerate(inner.shards):
+                if isinstance(part, ShardRef):
+                    tg.start_soon(one, i, part)
+        return ShardedPatch(inner.version, inner.base_version, shards)
+
+
+def is_ref(part: Any) -> bool:
+    """Whether ``part`` is a ref of a direct route (not the part itself)."""
+    return isinstance(unshare(part), ShardRef)
+
+
+__all__ = ["PartCache", "ShardRoutes", "is_ref"]
