@@ -19,7 +19,10 @@ target, ``rss_delta_without_target``: trainer, explorer and engine share this pr
 the trainer's side allocates a new copy per published version; after a warm-up run, with the
 trainer and a plain explorer attached and synced once), ``held_bytes`` (what the explorer's side keeps between syncs: the index map, or the
 host copy), ``bit_exact`` (every engine parameter, bit for bit, equals what the model's own
-``load_weights`` makes of the trainer's weights).
+``load_weights`` makes of the trainer's weights), ``reinits`` and ``failed`` (re-bootstraps and
+failed deliveries after the first sync: a write the engine got wrong is caught by the
+synchronizer's verification and repaired by a re-bootstrap — ``bit_exact`` then holds, these do
+not stay 0).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the offline LLM 
 import anyio  # noqa: E402
 import torch  # noqa: E402
 
+from aiosync import run_sync  # noqa: E402
 from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 
@@ -90,17 +94,21 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
     async with Synchronizer({"style": "fixed"}, PATCH) as sync:
         trainer = await sync.attach_trainer(trainer_model)
         # A plain explorer and one sync first: what the trainer's side keeps exists before the baseline.
+        # Its tensors in the checkpoint's order (sorted, as the engine target lists them): the same
+        # receiver metadata, so the engine's explorer joins its fan-out lineage and the trainer keeps
+        # one snapshot, not a second one that this one-process measure would count as the target's.
         reference = await sync.attach_explorer("reference", {k: v.detach().clone()
-                                                              for k, v in trainer_model.state_dict().items()})
+                                                              for k, v in sorted(trainer_model.state_dict().items())})
         await anyio.to_thread.run_sync(stepper.step)
         await trainer.sync_weight(1)
         assert await reference.sync_weight() == 1
         before = rss_bytes()
-        target = None if inplace is None else VLLMTarget(llm, inplace=inplace)
+        # made off the event loop: it probes the engine's loader (in place) or reads the checkpoint (shadow)
+        target = None if inplace is None else await run_sync(VLLMTarget, llm, inplace=inplace)
         explorer = None if target is None else await sync.attach_explorer("vllm", target)
         if target is not None:
             line = sync.explorers["vllm"].line.stats
-            boot, boot_patch = target.statistics(), line.bytes_sent
+            boot, boot_patch, boot_reinits, boot_failed = target.statistics(), line.bytes_sent, line.reinits, line.failed
         extra = None
         for v in range(2, steps + 2):
             await anyio.to_thread.run_sync(stepper.step)
@@ -122,7 +130,8 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
     target.close()
     return {"pause_s_mean": (stats.total_pause_s - boot.total_pause_s) / steps,
             "bytes_to_engine": (stats.bytes_sent - boot.bytes_sent) / steps, "patch_bytes": patch_bytes,
-            "rss_delta": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path}
+            "rss_delta": extra, "held_bytes": held, "bit_exact": exact, "path": stats.path,
+            "reinits": line.reinits - boot_reinits, "failed": line.failed - boot_failed}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -156,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         stepper = MaskedAdamW(trainer_model, args.density, args.vocab)
         report: dict = {"params": params, "model_bytes": 4 * params, "density": args.density}
         anyio.run(run_path, llm, trainer_model, stepper, True, 1)  # warm-up: kernels compiled, optimizer state made
+        anyio.run(run_path, llm, trainer_model, stepper, None, 1)  # and what the warm-up left freed before the baseline
         baseline = anyio.run(run_path, llm, trainer_model, stepper, None, args.steps)["rss_delta"]
         report["rss_delta_without_target"] = baseline
         for name, inplace in (("inplace", True), ("shadow", False)):  # the shadow reads the checkpoint

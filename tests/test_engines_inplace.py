@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from aiosync.coordination import Synchronizer  # noqa: E402
-from aiosync.engines.index_map import loaded_image, probe_map  # noqa: E402
+from aiosync.engines.index_map import ProbeError, loaded_image, probe_map  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget  # noqa: E402
 from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
 from aiosync.errors import ConfigError  # noqa: E402
@@ -307,4 +307,33 @@ async def test_the_shadow_path_verifies_the_engine_itself_and_repairs_it_with_a_
             assert on_worker(llm, _engine_matches_loader, state) == []
     stats = target.statistics()
     assert stats.engine_mismatches == 1  # q_proj: the checkpoint tensor whose element of qkv_proj changed
+    target.close()
+
+
+def _transforming_loader(worker, on: bool) -> None:
+    """Give the engine's model a loader that scales what it loads (one the probe cannot read
+    back), or take it away again."""
+    model = worker.get_model()
+    if not on:
+        del model.load_weights
+        return
+    original = type(model).load_weights.__get__(model)
+    model.load_weights = lambda weights: original((k, v * 2) for k, v in weights)
+
+
+def test_a_loader_the_probe_cannot_read_is_refused_at_construction_or_taken_by_the_shadow_with_auto(llm, caplog):
+    on_worker(llm, _transforming_loader, True)
+    try:
+        with pytest.raises(ProbeError, match=r"inplace=True, but this model's loader cannot be mapped .*"
+                                             r"does not copy its values.*inplace=False.*inplace='auto'"):
+            VLLMTarget(llm, inplace=True)
+        with caplog.at_level("WARNING", logger="aiosync.sync"):
+            target = VLLMTarget(llm, inplace="auto")
+        assert type(target) is VLLMTarget and target.statistics().path == "shadow"
+        assert "the shadow path" in caplog.text and "does not copy its values" in caplog.text
+        target.close()
+    finally:
+        on_worker(llm, _transforming_loader, False)
+    target = VLLMTarget(llm, inplace="auto")  # a loader it can read: in place
+    assert isinstance(target, VLLMInPlaceTarget) and target.statistics().path == "inplace"
     target.close()

@@ -157,9 +157,29 @@ class IndexMap:
 
         return as_bits(self.params[index].data.view(-1))
 
-    def gather(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, name: str, positions: torch.Tensor) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """Where the sorted ``positions`` (int64, CPU) of ``name`` live, per run table (a
+        replicated element is in several): ``[(parameter index, indices into positions, flat
+        offsets in the parameter)]``, all on the CPU. One search per table: :meth:`gather` and
+        :meth:`places` take its answer instead of searching again."""
+        out = []
+        for table in self.tensors[name].tables:
+            found, pid, off = table.locate(positions)
+            idx = torch.nonzero(found).reshape(-1)
+            if not idx.numel():
+                out.append([])
+            elif bool((pid == pid[0]).all()):  # the common case: one parameter
+                out.append([(int(pid[0]), idx, off)])
+            else:
+                out.append([(p, idx[pid == p], off[pid == p]) for p in torch.unique(pid).tolist()])
+        return out
+
+    def gather(self, name: str, positions: torch.Tensor,
+               located: list[list[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(held, old bits)``: which of the sorted ``positions`` of ``name`` this worker holds,
-        and their bits, read from the parameters (or from the copy of a fallback tensor)."""
+        and their bits, read from the parameters (or from the copy of a fallback tensor);
+        ``located``: :meth:`locate`'s answer for these positions, if known."""
         from ..syncers.common.bits import as_bits
 
         tmap = self.tensors[name]
@@ -167,16 +187,13 @@ class IndexMap:
             return torch.ones_like(positions, dtype=torch.bool), as_bits(tmap.copy.view(-1))[positions]
         held = torch.zeros_like(positions, dtype=torch.bool)
         out = torch.empty(positions.numel(), dtype=_bits_dtype(tmap.dtype))
-        for table in tmap.tables:
-            found, pid, off = table.locate(positions)
-            idx = torch.nonzero(found).reshape(-1)
-            fresh = ~held[idx]
-            idx, pid, off = idx[fresh], pid[fresh], off[fresh]
-            for p in torch.unique(pid).tolist():
-                sel = pid == p
+        for hits in self.locate(name, positions) if located is None else located:
+            for p, idx, off in hits:
+                fresh = ~held[idx]
+                idx, off = idx[fresh], off[fresh]
                 flat = self.flat(p)
-                out[idx[sel]] = flat[off[sel].to(flat.device)].cpu()
-            held[idx] = True
+                out[idx] = flat[off.to(flat.device)].cpu()
+                held[idx] = True
         return held, out[held]
 
     def whole(self, name: str) -> torch.Tensor:
@@ -200,14 +217,7 @@ class IndexMap:
         """Every place the sorted ``positions`` of ``name`` are written to, per parameter of every
         table (a replicated element has several): ``(parameter index, flat offsets on its
         device, indices into positions)``."""
-        out = []
-        for table in self.tensors[name].tables:
-            found, pid, off = table.locate(positions)
-            idx = torch.nonzero(found).reshape(-1)
-            for p in torch.unique(pid).tolist():
-                sel = pid == p
-                out.append((p, off[sel].to(self.params[p].device), idx[sel]))
-        return out
+        return [(p, off.to(self.params[p].device), idx) for hits in self.locate(name, positions) for p, idx, off in hits]
 
     def statistics(self) -> dict:
         """Plain numbers for a report: tensors, runs, bytes, fallback tensors, probe memory."""
@@ -383,12 +393,6 @@ def _tables(ck: np.ndarray, param: np.ndarray, off: np.ndarray, length: np.ndarr
     return [RunTable(as_t(ck[m]), as_t(param[m]), as_t(off[m]), as_t(length[m])) for m in members]
 
 
-def _held(tables: list[RunTable]) -> int:
-    iv = [np.stack([t.ckpt.numpy(), (t.ckpt + t.length).numpy()], axis=1) for t in tables if len(t)]
-    merged = _merge(np.concatenate(iv)) if iv else np.empty((0, 2), np.int64)
-    return int((merged[:, 1] - merged[:, 0]).sum())
-
-
 @dataclass
 class _Probe:
     """One tensor's probe: the model, its loader and what is protected."""
@@ -439,17 +443,16 @@ class _Probe:
         ck_all, pid_all, off_all, len_all, fallback = [], [], [], [], False
         for p in targets:
             builder = _RunBuilder(limit)
-            for offsets, idx in _hits(None if row_of is None else row_of[id(p)], col_of[id(p)], cols):
+            for offsets, idx in _hits(None if row_of is None else row_of[id(p)], col_of[id(p)], rows, cols,
+                                      lambda: self._transforms(name, p)):
                 if not builder.add(offsets, idx):
                     fallback = True
                     break
             if fallback:
                 break
-            ck, off, length = builder.arrays()
-            ck_all.append(ck)
-            off_all.append(off)
-            len_all.append(length)
-            pid_all.append(np.full(ck.size, self.index[id(p)], np.int64))
+            for out, a in zip((ck_all, off_all, len_all), builder.arrays()):
+                out.append(a)
+            pid_all.append(np.full(ck_all[-1].size, self.index[id(p)], np.int64))
         if not fallback:  # the loader copies the values: indices counted backwards agree
             axis, n = ("row", rows) if rows > 1 else ("col", cols)
             fwd_of = {k: v.clone() for k, v in col_of.items()} if rows == 1 else row_of
@@ -458,29 +461,34 @@ class _Probe:
                 fwd, rev = fwd_of[id(p)].view(-1), back[id(p)].view(-1)
                 hit = fwd > 0
                 if not torch.equal(fwd[hit], (n + 1) - rev[hit]):
-                    raise ProbeError(f"the loader of {name!r} does not copy its values into {self._name(p)!r} (it "
-                                     "transforms them): the engine's parameters cannot be read back as checkpoint "
-                                     "values")
+                    raise self._transforms(name, p)
         if fallback:
             tmap.copy = self._copy(name, shape, dtype, targets, row_of, col_of, cols)
             tmap.held = tmap.numel
         else:
             cat = (lambda xs: np.concatenate(xs) if xs else np.empty(0, np.int64))
             tmap.tables = _tables(cat(ck_all), cat(pid_all), cat(off_all), cat(len_all))
-            tmap.held = _held(tmap.tables)
+            cover = _cover(tmap)
+            tmap.held = int((cover[:, 1] - cover[:, 0]).sum())
         return tmap
+
+    def _transforms(self, name: str, p: torch.nn.Parameter) -> ProbeError:
+        return ProbeError(f"the loader of {name!r} does not copy its values into {self._name(p)!r} (it transforms "
+                          "them): the engine's parameters cannot be read back as checkpoint values")
 
     def _name(self, p: torch.nn.Parameter) -> str:
         return next((n for n, q in self.model.named_parameters() if q is p), "?")
 
     def _copy(self, name: str, shape, dtype, targets, row_of, col_of, cols: int) -> torch.Tensor:
         """A fallback tensor's checkpoint-form copy, read from the live parameters."""
+        rows = coo_2d_shape(shape)[0]
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
         out = torch.empty(numel, dtype=dtype)
         seen = torch.zeros(numel, dtype=torch.bool)
         for p in targets:
             flat = p.detach().reshape(-1)
-            for offsets, idx in _hits(None if row_of is None else row_of[id(p)], col_of[id(p)], cols):
+            for offsets, idx in _hits(None if row_of is None else row_of[id(p)], col_of[id(p)], rows, cols,
+                                      lambda: self._transforms(name, p)):
                 o, i = torch.from_numpy(offsets), torch.from_numpy(idx)
                 out[i] = flat[o.to(flat.device)].to("cpu", dtype)
                 seen[i] = True
@@ -490,8 +498,11 @@ class _Probe:
         return out.view(shape)
 
 
-def _hits(row_vals: torch.Tensor | None, col_vals: torch.Tensor, cols: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(parameter offsets, checkpoint indices)`` of the probed elements, a chunk at a time."""
+def _hits(row_vals: torch.Tensor | None, col_vals: torch.Tensor, rows: int, cols: int,
+          refuse: Callable[[], Exception]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(parameter offsets, checkpoint indices)`` of the probed elements, a chunk at a time;
+    ``refuse()`` is raised for a probe value that is no row or column index (a loader that
+    transforms the values)."""
     flat_c = col_vals.view(-1)
     flat_r = None if row_vals is None else row_vals.view(-1)
     for a in range(0, flat_c.numel(), CHUNK):
@@ -500,9 +511,12 @@ def _hits(row_vals: torch.Tensor | None, col_vals: torch.Tensor, cols: int) -> I
         offsets = torch.nonzero(hit).reshape(-1)
         if not offsets.numel():
             continue
-        idx = c[hit].to(torch.int64) - 1
+        vals = [(c[hit], cols)] + ([] if flat_r is None else [(flat_r[a:a + CHUNK][hit], rows)])
+        if any(bool((v > n).any()) or bool((v != v.floor()).any()) or bool((v < 1).any()) for v, n in vals):
+            raise refuse()
+        idx = vals[0][0].to(torch.int64) - 1
         if flat_r is not None:
-            idx += (flat_r[a:a + CHUNK][hit].to(torch.int64) - 1) * cols
+            idx += (vals[1][0].to(torch.int64) - 1) * cols
         yield (offsets + a).numpy(), idx.numpy()
 
 

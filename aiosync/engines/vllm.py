@@ -54,6 +54,7 @@ from ..aio import run_sync
 from ..dtypes import dtype_name
 from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
+from .index_map import ProbeError
 from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
 from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
 from .vllm_common import EngineStats, EngineTarget, _engine_kind, check_target_args
@@ -97,24 +98,31 @@ class _Kept(Exception):
         self.error = error
 
 
-def _choose_inplace(engine: Any, inplace: bool) -> bool:
-    """Whether ``VLLMTarget(engine, inplace=...)`` writes in place: only when asked
-    (``inplace=True``), and then only an in-process ``LLM`` whose parameters are all readable
-    (none re-packed) — anything else is a :class:`ConfigError` saying why."""
-    if not isinstance(inplace, bool):
+def _choose_inplace(engine: Any, inplace: bool | str) -> bool:
+    """Whether ``VLLMTarget(engine, inplace=...)`` tries the in-place path: only when asked
+    (``True`` or ``"auto"``), and then only an in-process ``LLM`` whose parameters are all
+    readable (none re-packed) — anything else is a :class:`ConfigError` saying why for
+    ``True``, the shadow path for ``"auto"``."""
+    if inplace not in (True, False, "auto") or not isinstance(inplace, (bool, str)):
         raise ConfigError(f"VLLMTarget: inplace must be True (patches written in the engine's own parameters, "
-                          f"opt-in) or False (the shadow path, the default), got {inplace!r}")
+                          f"opt-in), 'auto' (in place where the engine allows it, else the shadow path) or False "
+                          f"(the shadow path, the default), got {inplace!r}")
     if not inplace:
         return False
-    if _engine_kind(engine) != "llm":
-        raise ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
-                          "workers run in another process; in-place writes there are not implemented yet)")
-    from .vllm_inplace import engine_parameters_readable
+    from .vllm_inplace import engine_parameters_readable, fall_back
 
-    if not engine_parameters_readable(engine):
-        raise ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
-                          "linear layers), which cannot be written in place; use the default (inplace=False)")
-    return True
+    if _engine_kind(engine) != "llm":
+        error = ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
+                            "workers run in another process; in-place writes there are not implemented yet)")
+    elif not engine_parameters_readable(engine):
+        error = ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
+                            "linear layers), which cannot be written in place; use the default (inplace=False)")
+    else:
+        return True
+    if inplace != "auto":
+        raise error
+    fall_back(error)
+    return False
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -159,23 +167,32 @@ class VLLMTarget(EngineTarget):
     :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
     the engine's own parameters, no host copy), for an in-process ``LLM`` whose parameters can
     be written as they are (a CPU build without oneDNN re-packing; vLLM on a GPU, untested), a
-    :class:`ConfigError` for any other engine. The in-place path has only run on a CPU, with
+    :class:`ConfigError` for any other engine, and a :class:`~aiosync.engines.index_map.ProbeError`
+    (a ``ConfigError``) naming the tensor when the model's loader cannot be probed for the
+    index map (the probe runs here: build the target before generating, off the event loop);
+    ``"auto"`` — in place where ``True`` would be, the shadow path (this class) wherever
+    ``True`` would raise, the reason logged. The in-place path has only run on a CPU, with
     one engine rank and an offline ``LLM`` (never on a GPU or under tensor parallelism), so it
     is never chosen unless asked for. ``statistics().path`` says which.
     """
 
     path = "shadow"
 
-    def __new__(cls, engine: Any, *, inplace: bool = False, **kwargs: Any) -> Any:
+    def __new__(cls, engine: Any, *, inplace: bool | str = False, **kwargs: Any) -> Any:
         if cls is VLLMTarget and _choose_inplace(engine, inplace):
-            from .vllm_inplace import VLLMInPlaceTarget
+            from .vllm_inplace import VLLMInPlaceTarget, fall_back
 
-            return VLLMInPlaceTarget(engine, **kwargs)
+            try:
+                return VLLMInPlaceTarget(engine, **kwargs)
+            except ProbeError as exc:  # the model's loader cannot be mapped
+                if inplace != "auto":
+                    raise
+                fall_back(exc)
         return super().__new__(cls)
 
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
                  clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0,
-                 inplace: bool = False) -> None:
+                 inplace: bool | str = False) -> None:
         self.engine = engine
         self.kind = _engine_kind(engine)
         vllm_config = check_target_args(engine, self.kind, pause_mode, bucket_size, timeout)

@@ -4,7 +4,10 @@
 :class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload)
 returns one of these when the engine is an offline ``LLM`` in this process whose parameters can
 be read and written as they are (a CPU build whose linear layers are not re-packed into oneDNN
-handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise.
+handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise. The index
+map is probed when the target is made (the model must be idle): a model whose loader cannot be
+mapped is refused then, with a :class:`~aiosync.engines.index_map.ProbeError` naming the tensor
+(``inplace="auto"`` takes the shadow path instead, and logs why).
 
 The target holds no weights. It is a :class:`~aiosync.syncers.base.RemoteTarget`: a mapping of
 *meta* tensors (the checkpoint's names, shapes and the engine's dtype) with
@@ -15,8 +18,9 @@ backend) decodes it against the engine's own parameters, through an index map pr
 through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and writes it:
 
 * **staged, the engine generating**: the patch is decoded, the old values at its positions
-  read from the parameters and checked against the sender's drift hash, the new values
-  computed (an engine call between two steps; generation is not paused);
+  read from the parameters and checked against the sender's drift hash, the new values and
+  their parameter offsets computed — on a thread of the target's own, beside the engine's
+  steps (it only reads the parameters; the engine's thread is not held);
 * **the pause**: the scatter of the new values (whole tensors through the loader), the label,
   the prefix-cache reset. Old values are journaled: a write that raises puts them back, the
   engine keeps its version and the syncer its own.
@@ -24,6 +28,9 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,9 +41,12 @@ import torch
 from ..errors import ApplyError, ConfigError, PeerTimeoutError
 from ..messages import payload_nbytes
 from ..syncers.base import RemoteWrite
+from .index_map import ProbeError
 from .layout import checkpoint_layout, tied_aliases
 from .vllm_calls import Late, OfflineCalls, ResumeFailed
 from .vllm_common import EngineStats, EngineTarget, check_target_args
+
+log = logging.getLogger("aiosync.sync")
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -122,6 +132,12 @@ def receiver_statistics(worker: Any) -> dict:
 
 # ----------------------------------------------------------------------------- the target
 
+def fall_back(error: BaseException) -> None:
+    """``VLLMTarget(llm, inplace="auto")`` takes the shadow path: say why, once, in the log."""
+    log.warning("VLLMTarget(inplace='auto'): the shadow path (a host copy of the weights), as the in-place path "
+                "cannot run on this engine: %s", error)
+
+
 def engine_parameters_readable(engine: Any) -> bool:
     """Whether every parameter of an in-process engine can be written in place (none re-packed)."""
     return all(name is None for name in engine.collective_rpc(unreadable_parameter))
@@ -161,8 +177,17 @@ class VLLMInPlaceTarget(EngineTarget):
         self.version: int | None = None
         self.error: BaseException | None = None
         self.stats = EngineStats()
-        self._probed = False
         self._calls = OfflineCalls(engine, pause_mode, clear_cache, timeout)
+        #: Staging runs here, not on the engine's thread: steps go on meanwhile (it reads only).
+        self._stager = concurrent.futures.ThreadPoolExecutor(1, "aiosync-vllm-stage")
+        self._writing = anyio.Lock()  # one write at a time: the worker keeps one staged write
+        try:  # the map, probed now (the model idle): a loader it cannot read is refused here
+            self.engine.collective_rpc(probe_receiver, args=(self._specs, self._aliases))
+        except ProbeError as exc:
+            self.close()
+            raise ProbeError(f"VLLMTarget: inplace=True, but this model's loader cannot be mapped for in-place writes "
+                             f"({exc}); use inplace=False (the shadow path: a host copy, whole layers through the "
+                             "reload) or inplace='auto' (the shadow path wherever in place cannot run)") from exc
 
     def __repr__(self) -> str:
         return f"VLLMInPlaceTarget({len(self)} tensors, version={self.version}, pause_mode={self.pause_mode!r})"
@@ -175,14 +200,28 @@ class VLLMInPlaceTarget(EngineTarget):
         if self.error is not None:
             raise ApplyError(f"the vLLM engine target gave up after an earlier failure ({self.error}); the engine's "
                              "weights are unknown: make a new engine")
+        async with self._writing:
+            return await self._write(write)
+
+    def close(self) -> None:
+        """Stop the engine thread and the staging thread (the engine itself stays the caller's)."""
+        super().close()
+        self._stager.shutdown(wait=True)
+
+    async def _stage(self, write: RemoteWrite) -> None:
+        """Stage ``write`` on the worker's receiver, on the staging thread, bounded by ``timeout``."""
+        pending = asyncio.wrap_future(self._stager.submit(self.engine.collective_rpc, stage_write, args=(write,)))
+        try:
+            await self._calls.answer(f"the staging of version {write.version}", pending)
+        except Late as late:
+            late.drop()
+            raise PeerTimeoutError(str(late)) from None
+
+    async def _write(self, write: RemoteWrite) -> int | None:
         calls = self._calls
         with anyio.CancelScope(shield=True):
-            if not self._probed:  # the probe swaps parameters: the model must not run meanwhile
-                async with calls.lock:
-                    await calls.call(self.engine.collective_rpc, probe_receiver, args=(self._specs, self._aliases))
-                self._probed = True
-            try:  # staged between two engine steps: generation goes on
-                await calls.call(self.engine.collective_rpc, stage_write, args=(write,))
+            try:  # staged beside the engine's steps: generation goes on
+                await self._stage(write)
             except PeerTimeoutError:
                 raise
             except Exception as exc:
@@ -235,10 +274,7 @@ class VLLMInPlaceTarget(EngineTarget):
 
     async def read_engine(self) -> dict[str, torch.Tensor]:
         """Every synced tensor in checkpoint form, read from the engine's own parameters through
-        the index map (fused ``qkv_proj`` / ``gate_up_proj`` and padded vocabularies included);
-        empty before the first write (the map is probed then)."""
-        if not self._probed:
-            return {}
+        the index map (fused ``qkv_proj`` / ``gate_up_proj`` and padded vocabularies included)."""
         async with self._calls.lock:
             per_worker = await self._calls.call(self.engine.collective_rpc, read_checkpoint, args=(list(self._specs),))
         return per_worker[0]
@@ -247,13 +283,9 @@ class VLLMInPlaceTarget(EngineTarget):
         """The digest of each tensor ``keys`` as the engine's parameters hold it (whole-state
         verification; :class:`~aiosync.syncers.base.RemoteTarget`), computed in the engine,
         between two steps."""
-        if not self._probed:
-            raise ApplyError("the engine has not been written yet: there is no map to read its weights through")
         return (await self._calls.call(self.engine.collective_rpc, digest_checkpoint, args=(list(keys),)))[0]
 
     async def engine_statistics(self) -> dict:
         """The engine worker's receiver: the map (tensors, runs, bytes, fallback tensors, the
         probe's transient memory) and its writes (commits, elements, rollbacks)."""
-        if not self._probed:
-            return {}
         return (await self._calls.call(self.engine.collective_rpc, receiver_statistics))[0]
