@@ -129,8 +129,9 @@ async def trainer_side(method: str, args: argparse.Namespace, state: dict, model
     """The trainer's process: the synchronizer, the ticker, and (``model``) an in-process explorer."""
     ticker = Ticker()
     tmp = tempfile.TemporaryDirectory(prefix="aiosync-lag-") if method == "checkpoint" else None
+    # The explorer only receives (no call into its API): it must not be declared lost on a slow host.
     config = {"method": method, "style": "trainer_driven", "sync_weight_no_wait": True, "sync_timeout": 600,
-              "delivery_timeout": 600}
+              "delivery_timeout": 600, "liveness_timeout": 600}
     if tmp is not None:
         config["checkpoint_dir"] = tmp.name
     report: dict = {"elements": sum(t.numel() for t in state.values())}
