@@ -327,10 +327,10 @@ def digest_parameters(worker: Any, specs: dict[str, tuple]) -> dict[str, int]:
     model = worker.get_model()
     named = dict(model.named_parameters())
     index = getattr(backend, "digest_map", None)
-    if index is None and all(p.numel() and p.is_contiguous() for p in named.values()):
+    if index is None:
         try:  # the model is idle: this runs on the engine's thread, between two steps
             index = probe_map(model, model.load_weights, specs)
-        except ProbeError as exc:  # split between workers, or a layout the map cannot hold
+        except ProbeError as exc:  # re-packed parameters, split between workers, a layout the map cannot hold
             log.info("aiosync: the engine's weights are verified where they are in checkpoint form only: %s", exc)
             index = False
         backend.digest_map = index
