@@ -42,6 +42,11 @@ KEY_FILE_ENV = "AIOSYNC_SERVER_KEY_FILE"
 #: The shortest key accepted.
 MIN_KEY_BYTES = 16
 SERVER, CLIENT, SEQ, MAC = "x-aiosync-server", "x-aiosync-client", "x-aiosync-seq", "x-aiosync-mac"
+#: A client's fresh random value on a hello or a completion, and the server's signature of its
+#: run id (and the answer's versions) over it: ``x-aiosync-server-mac`` = HMAC(key,
+#: "aiosync-run-v1" LF nonce LF run LF versions).
+NONCE, RUN_MAC = "x-aiosync-nonce", "x-aiosync-server-mac"
+_MAX_NONCE = 128
 _MAKE_KEY = "python -c 'import secrets; print(secrets.token_hex(32))' > key"
 
 
@@ -90,6 +95,12 @@ def answer_mac(key: bytes, request: str, status: int, body: bytes) -> str:
     return mac.hexdigest()
 
 
+def run_mac(key: bytes, nonce: str, server: str, versions: str = "") -> str:
+    """The signature of a server run id (and the versions header beside it) sent in answer to
+    a request that carried ``nonce`` (hex)."""
+    return hmac.new(key, f"aiosync-run-v1\n{nonce}\n{server}\n{versions}".encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass
 class Signer:
     """The trainer's side: signs each request with the next counter, checks each answer."""
@@ -103,6 +114,19 @@ class Signer:
         self.seq += 1
         return {SERVER: server, CLIENT: self.client, SEQ: str(self.seq),
                 MAC: request_mac(self.key, method, path, server, self.client, self.seq, body)}
+
+    def nonce(self) -> dict[str, str]:
+        """The header asking a server to sign its run id in the answer (:meth:`signed_run`)."""
+        return {NONCE: secrets.token_hex(16)}
+
+    def signed_run(self, request: Mapping[str, str], headers: Mapping[str, str], versions: str = "") -> str | None:
+        """The run id ``headers`` name (``x-aiosync-server``), if the server signed it in answer
+        to ``request`` (:meth:`nonce`) with this key; ``None`` for a missing or forged one."""
+        server = headers.get(SERVER)
+        if not server:
+            return None
+        want = run_mac(self.key, request[NONCE], server, versions)
+        return server if hmac.compare_digest(headers.get(RUN_MAC, ""), want) else None
 
     def check_answer(self, request: Mapping[str, str], status: int, body: bytes, headers: Mapping[str, str]) -> None:
         """Raise :class:`~aiosync.errors.AuthenticationError` unless the answer is signed with this key."""
@@ -162,6 +186,15 @@ class Verifier:
                                      "restart it")
         self._last[client] = n
         return client
+
+    def sign_run(self, request: Mapping[str, str], versions: str = "") -> dict[str, str]:
+        """The headers naming this run, signed over the request's nonce (``x-aiosync-nonce``,
+        when it has one: :meth:`Signer.nonce`) and ``versions``; ``headers`` are in lower case."""
+        out = {SERVER: self.server}
+        nonce = request.get(NONCE, "")
+        if self.key and nonce and len(nonce) <= _MAX_NONCE:
+            out[RUN_MAC] = run_mac(self.key, nonce, self.server, versions)
+        return out
 
     def sign_answer(self, request: Mapping[str, str], status: int, body: bytes) -> dict[str, str]:
         """The header that signs the answer to a request that passed :meth:`check`."""
