@@ -291,11 +291,18 @@ async def test_the_middleware_refuses_to_start_under_several_api_server_processe
     async def send(message):
         sent.append(message)
 
-    vllm_app = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_server_count=2)))
+    def vllm_app(count):  # what vLLM's app holds in each API server process
+        return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(_api_process_count=count))))
+
     with anyio.fail_after(HANG_GUARD):
-        await AiosyncApp(inner, key=KEY)({"type": "lifespan", "app": vllm_app}, receive, send)
+        await AiosyncApp(inner, key=KEY)({"type": "lifespan", "app": vllm_app(2)}, receive, send)
     assert not started and [m["type"] for m in sent] == ["lifespan.startup.failed"]
     assert "--api-server-count 2" in sent[0]["message"] and "--api-server-count 1" in sent[0]["message"]
+    sent.clear()
+    with anyio.fail_after(HANG_GUARD):  # one process: it starts (and ends with vLLM's lifespan)
+        await AiosyncApp(inner, key=KEY)({"type": "lifespan", "app": vllm_app(1)}, receive, send)
+    assert len(started) == 1 and [m["type"] for m in sent] == ["lifespan.startup.complete"]
 
 
 def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():

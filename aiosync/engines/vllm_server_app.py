@@ -82,9 +82,12 @@ SEVERAL_API_SERVERS = (
 
 
 def api_server_count(app: Any) -> int:
-    """How many API server processes the ``vllm serve`` of ``app`` (a Starlette app whose
-    ``state.args`` are its arguments) runs; 1 when it does not say."""
-    count = getattr(getattr(getattr(app, "state", None), "args", None), "api_server_count", None)
+    """How many API server processes the ``vllm serve`` of ``app`` runs, this one among them
+    (vLLM gives each its ``parallel_config._api_process_count``, in ``app.state.vllm_config``;
+    a single-process entry point such as ``python -m vllm.entrypoints.openai.api_server`` runs
+    one whatever ``--api-server-count`` says); 1 when it does not say."""
+    config = getattr(getattr(app, "state", None), "vllm_config", None)
+    count = getattr(getattr(config, "parallel_config", None), "_api_process_count", None)
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 1 else 1
 
 
