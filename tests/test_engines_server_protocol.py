@@ -244,8 +244,12 @@ class ForgingServer(InProcessServer):
     value) is written over every answer's headers."""
 
     forge: dict = {}
+    #: A forged refusal of every call, "signed for another run" (unsigned).
+    refuse = False
 
     async def handle_async_request(self, request):
+        if self.refuse and request.url.path == "/aiosync/call":
+            return httpx.Response(401, json={"error": "restarted", "reason": "other_server", "server": "a-forged-run"})
         response = await super().handle_async_request(request)
         for name, value in self.forge.items():
             response.headers[name] = value
@@ -267,7 +271,11 @@ async def test_a_forged_run_id_is_ignored():
         with pytest.raises(AuthenticationError, match="did not sign its run id"):
             await client.hello()
         assert client.server == run and client.statistics().restarts == 0 and explorer.version == 1
-        server.forge = {}
+        server.forge, server.refuse = {}, True
+        with pytest.raises(AuthenticationError, match="not signed with this key"):
+            await client.call(ServerCall("abort", 0, 99))            # "you restarted", unsigned: not believed
+        server.refuse = False
+        assert client.statistics().restarts == 0 and explorer.version == 1
         await client.completions({"model": "m", "prompt": [1]})   # signed: believed, same run
         assert (await client.hello())["server"] == run
         train_to(state, 2)
