@@ -17,7 +17,11 @@ recorded before a restart (``other_server``), or a counter not above the client'
 (``replayed``) are each an :class:`~aiosync.errors.AuthenticationError` naming the reason, and
 nothing is done. Answers are signed too (``x-aiosync-mac`` = HMAC(key, "aiosync-answer-v1" LF
 the request's mac LF status LF body)): a trainer believes what a server says it holds only if
-the server holds the key.
+the server holds the key — a refusal as ``other_server`` included. So is the server's run id,
+where it travels outside a signed answer (``GET /aiosync/hello``, a completion's
+``x-aiosync-server``): the client sends a fresh ``x-aiosync-nonce`` and believes the run only
+with ``x-aiosync-server-mac`` (:func:`run_mac`), so a forged or replayed run id cannot make it
+think the server restarted.
 
 What it does not do: it does not encrypt (weights and prompts travel in clear: put TLS or a
 private network in front), and it guards only the routes that change weights or their label
