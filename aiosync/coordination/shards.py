@@ -145,7 +145,7 @@ class ShardPeer:
 
     async def _serve_route(self, route: Transport) -> None:
         try:
-            await self.server.cache.serve(route.send, route.recv)
+            await self.server.cache.serve(route.send, route.recv, transport=route)
         finally:
             self._routes_open -= 1
             self._notify()
