@@ -59,9 +59,18 @@ def _backend(worker: Any) -> Any:
 
 
 def _receiver(worker: Any) -> Any:
+    """The worker's receiver, its map bound to the model's current parameters (by name: a
+    reload through vLLM's own update path may have replaced them)."""
     receiver = getattr(_backend(worker), "receiver", None)
     if receiver is None:
         raise ApplyError("this worker has no in-place receiver (the probe never ran here)")
+    index = receiver.map
+    named = dict(worker.get_model().named_parameters())
+    now = [named.get(n) for n in index.param_names]
+    if any(p is None or p.shape != q.shape or p.dtype != q.dtype for p, q in zip(now, index.params)):
+        raise ApplyError("the engine's parameters no longer have the layout the index map was probed on (re-packed "
+                         "or re-shaped by a reload): make a new target")
+    index.params = now
     return receiver
 
 
