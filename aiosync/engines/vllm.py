@@ -168,15 +168,19 @@ class VLLMTarget(EngineTarget):
 
     ``inplace``: ``False`` (default) — this class, the shadow path; ``True`` (opt-in) — a
     :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
-    the engine's own parameters, no host copy), for an in-process ``LLM`` whose parameters can
-    be written as they are (a CPU build without oneDNN re-packing; vLLM on a GPU, untested), a
-    :class:`ConfigError` for any other engine, and a :class:`~aiosync.engines.index_map.ProbeError`
-    (a ``ConfigError``) naming the tensor when the model's loader cannot be probed for the
-    index map (the probe runs here: build the target before generating, off the event loop);
-    ``"auto"`` — in place where ``True`` would be, the shadow path (this class) wherever
-    ``True`` would raise, the reason logged. The in-place path has only run on a CPU, with
-    one engine rank and an offline ``LLM`` (never on a GPU or under tensor parallelism), so it
-    is never chosen unless asked for. ``statistics().path`` says which.
+    the engine's own parameters, no host copy), for an engine whose workers take aiosync's calls
+    (an offline ``LLM``; an ``AsyncLLM`` started with ``worker_extension_cls=``
+    :data:`~aiosync.engines.vllm_worker.WORKER_EXTENSION`) and whose parameters can be written
+    as they are (on a CPU: ``AIOSYNC_VLLM_PLAIN_WEIGHTS=1``, see
+    :mod:`aiosync.engines.vllm_plugin`; vLLM on a GPU, untested), a :class:`ConfigError` saying
+    why for any other engine, and a :class:`~aiosync.engines.index_map.ProbeError` (a
+    ``ConfigError``) naming the tensor when the model's loader cannot be probed for the index
+    map (the probe runs here: build the target before generating, off the event loop — for an
+    ``AsyncLLM`` in a worker thread of its loop, ``await aiosync.run_sync(VLLMTarget, engine,
+    inplace=True)``); ``"auto"`` — in place where ``True`` would be, the shadow path (this
+    class) wherever ``True`` would raise, the reason logged. The in-place path has only run on a
+    CPU with one engine rank (never on a GPU or under tensor parallelism), so it is never chosen
+    unless asked for. ``statistics().path`` says which.
     """
 
     path = "shadow"

@@ -1,12 +1,15 @@
 """A vLLM engine whose parameters are written in place: :class:`VLLMInPlaceTarget`.
 
-``VLLMTarget(llm, inplace=True)`` (opt-in; the default is the shadow target,
+``VLLMTarget(engine, inplace=True)`` (opt-in; the default is the shadow target,
 :class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload)
-returns one of these when the engine is an offline ``LLM`` in this process whose parameters can
-be read and written as they are (a CPU build whose linear layers are not re-packed into oneDNN
-handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise. The index
-map is probed when the target is made (the model must be idle): a model whose loader cannot be
-mapped is refused then, with a :class:`~aiosync.engines.index_map.ProbeError` naming the tensor
+returns one of these when aiosync's calls reach the engine's workers
+(:mod:`aiosync.engines.vllm_worker`: an offline ``LLM`` in this process, or an ``AsyncLLM`` —
+engine core and workers in other processes, so ``vllm serve`` — started with aiosync's
+``worker_extension_cls``) and its parameters can be read and written as they are (a CPU build
+whose linear layers are not re-packed into oneDNN handles; vLLM on a GPU, not tested), and
+refuses with a ``ConfigError`` otherwise. The index map is probed when the target is made (the
+model must be idle): a model whose loader cannot be mapped is refused then, with a
+:class:`~aiosync.engines.index_map.ProbeError` naming the tensor
 (``inplace="auto"`` takes the shadow path instead, and logs why).
 
 The target holds no weights. It is a :class:`~aiosync.syncers.base.RemoteTarget`: a mapping of
@@ -19,8 +22,8 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 * **staged, the engine generating**: the patch is decoded, the old values at its positions
   read from the parameters and checked against the sender's drift hash, the new values and
-  their parameter offsets computed — on a thread of the target's own, beside the engine's
-  steps (it only reads the parameters; the engine's thread is not held);
+  their parameter offsets computed — on a thread in the worker, beside the engine's steps (it
+  only reads the parameters; the engine is not held);
 * **the pause**: the scatter of the new values (whole tensors through the loader), the label,
   the prefix-cache reset. Old values are journaled: a write that raises puts them back, the
   engine keeps its version and the syncer its own.
@@ -68,8 +71,8 @@ def unreadable(engine: Any) -> str | None:
 
 
 class VLLMInPlaceTarget(EngineTarget):
-    """A vLLM offline ``LLM`` whose parameters receive aiosync's writes in place (see the
-    module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
+    """A vLLM engine (offline ``LLM`` or ``AsyncLLM``) whose parameters receive aiosync's writes
+    in place (see the module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
     are readable; the arguments are that class's (``bucket_size`` unused).
     ``tensors``: only their names, shapes and dtypes are used (default: the checkpoint's)."""
 
