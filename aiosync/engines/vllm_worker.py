@@ -94,7 +94,9 @@ def _group(worker: Any) -> Any:
         return None
     import torch.distributed as dist
 
-    return dist.new_group(ranks=list(tp.ranks), backend="gloo")
+    from datetime import timedelta
+
+    return dist.new_group(ranks=list(tp.ranks), backend="gloo", timeout=timedelta(seconds=300))
 
 
 def probe_receiver(worker: Any, specs: dict[str, tuple], aliases: dict[str, str]) -> dict:
@@ -173,11 +175,44 @@ def commit_write(worker: Any) -> int | None:
     return receiver.commit(txn)
 
 
+def _whole(receiver: Any, name: str) -> torch.Tensor:
+    """The checkpoint tensor ``name`` read from the parameters through the index map; with
+    several tensor-parallel workers, assembled from the elements each answers for (every worker
+    runs this for the same names in the same order: a collective over the receiver's group)."""
+    index = receiver.map
+    name = receiver.aliases.get(name, name)
+    if receiver.group is None:
+        return index.whole(name)
+    import torch.distributed as dist
+
+    from ..syncers.common.bits import as_bits
+
+    tmap = index.tensors[name]
+    try:  # this worker's part; whatever happens, it joins the collective (no peer is left waiting)
+        positions = torch.arange(tmap.numel)
+        held, bits = index.gather(name, positions)
+        owned = tmap.owned_mask(positions)
+        mine = held if owned is None else held & owned
+        part: Any = (positions[mine], bits[mine[held]])
+    except Exception as exc:
+        part = f"{type(exc).__name__}: {exc}"
+    parts: list = [None] * dist.get_world_size(receiver.group)
+    dist.all_gather_object(parts, part, group=receiver.group)
+    failed = [f"worker {r}: {p}" for r, p in enumerate(parts) if isinstance(p, str)]
+    if failed:
+        raise ApplyError(f"reading {name!r} from the workers failed ({'; '.join(failed)})")
+    out = torch.empty(tmap.shape, dtype=tmap.dtype)
+    flat = as_bits(out.view(-1))
+    for where, values in parts:
+        flat[where] = values
+    return out
+
+
 def read_checkpoint(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` in checkpoint form, read from the engine's parameters through the
-    index map (fused, padded parameters included)."""
+    index map (fused, padded, tensor-parallel-split parameters included)."""
     receiver = _receiver(worker)
-    return {n: receiver.map.whole(receiver.aliases.get(n, n)) for n in names}
+    return {n: _whole(receiver, n) for n in names}
 
 
 def digest_checkpoint(worker: Any, names: list[str]) -> dict[str, int]:
@@ -187,7 +222,7 @@ def digest_checkpoint(worker: Any, names: list[str]) -> dict[str, int]:
 
     receiver = _receiver(worker)
     with torch.no_grad():
-        return {n: state_digest(receiver.map.whole(receiver.aliases.get(n, n))) for n in names}
+        return {n: state_digest(_whole(receiver, n)) for n in names}
 
 
 def receiver_statistics(worker: Any) -> dict:
