@@ -28,20 +28,14 @@ from aiosync.engines.vllm_faults import PLAN_ENV, FaultPlan  # noqa: E402
 from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
 from aiosync.engines.vllm_plugin import PLAIN_WEIGHTS_ENV  # noqa: E402
 from aiosync.engines.vllm_worker import WORKER_EXTENSION  # noqa: E402
-from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
+from aiosync.runners.grpo import greedy  # noqa: E402
 from aiosync.syncers.common.bits import as_bits  # noqa: E402
 from helpers import HANG_GUARD  # noqa: E402
 from test_engines_vllm import LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps, engine_greedy  # noqa: E402
+from test_engines_inplace import model_dir, trainer_model  # noqa: E402, F401 (fixtures: a tiny untied Llama)
 from test_engines_vllm import make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-inplace-async")
-    make_tiny_llama(path, ModelShape(), seed=5)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def plan(tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir, plan):
+async def engine(model_dir, plan):  # noqa: F811
     """The AsyncLLM: its engine core in a process of its own, the worker extension, plain weights
     there. The plugin reads ``AIOSYNC_VLLM_PLAIN_WEIGHTS`` where it runs first in a process; an
     engine-core process forked from this one inherits this process's flag instead, so that is
@@ -82,13 +76,6 @@ async def engine(model_dir, plan):
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def trainer_model(model_dir):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
-
-
 def differ(read: dict, model) -> list[str]:
     state = model.state_dict()
     assert set(read) == set(state)
@@ -102,7 +89,7 @@ async def assert_outputs(target, model, version: int) -> None:
         assert versions == (version,)
 
 
-async def test_patch_syncs_land_in_place_in_an_async_engine_in_another_process(engine, trainer_model):
+async def test_patch_syncs_land_in_place_in_an_async_engine_in_another_process(engine, trainer_model):  # noqa: F811
     with pytest.raises(Exception, match="build it in a worker thread"):
         VLLMTarget(engine, inplace=True)  # on the event loop: the probe cannot be awaited here
     target = await run_sync(VLLMTarget, engine, inplace="auto")  # readable parameters: in place
@@ -127,7 +114,7 @@ async def test_patch_syncs_land_in_place_in_an_async_engine_in_another_process(e
     assert engine_stats["commits"] == 4 and engine_stats["elements"] > 0 and engine_stats["rollbacks"] == 0
 
 
-async def test_a_write_that_fails_in_the_worker_leaves_the_old_version_bit_for_bit(engine, trainer_model, plan):
+async def test_a_write_that_fails_in_the_worker_leaves_the_old_version_bit_for_bit(engine, trainer_model, plan):  # noqa: F811,E501
     target = await run_sync(VLLMTarget, engine, inplace=True)
     opt = make_optimizer(trainer_model)
     failed, write_remote = [], target.write_remote
@@ -162,7 +149,7 @@ async def test_a_write_that_fails_in_the_worker_leaves_the_old_version_bit_for_b
     assert (await target.engine_statistics())["rollbacks"] == 1 and target.statistics().refused == 1
 
 
-async def test_a_change_inside_the_engine_is_found_by_the_digest_and_repaired(engine, trainer_model):
+async def test_a_change_inside_the_engine_is_found_by_the_digest_and_repaired(engine, trainer_model):  # noqa: F811
     """A value of the engine's parameters changed behind aiosync's back — by another client of
     vLLM's weight-transfer API (a shadow target on the same engine) — is found by the digest
     computed in the worker, and the repair makes the engine hold the trainer's weights again."""
