@@ -112,12 +112,9 @@ def probe_receiver(worker: Any, specs: dict[str, tuple], aliases: dict[str, str]
     return backend.receiver.statistics()
 
 
-def stage_write(worker: Any, write: RemoteWrite) -> None:
-    """Stage ``write`` on the worker's receiver (decoded, old values read, drift checked;
-    nothing written). Raises what is wrong with it."""
-    backend = _backend(worker)
-    receiver = _receiver(worker)
-    backend.staged = None
+def _stage(receiver: Any, write: RemoteWrite) -> Any:
+    """``write`` staged on ``receiver``: its transaction (decoded, old values read, drift
+    checked; nothing written). Raises what is wrong with it."""
     txn = receiver.begin(write.handshake)
     for bucket in write.tensors:
         receiver.add_tensors(txn, bucket, write.version)
@@ -125,23 +122,32 @@ def stage_write(worker: Any, write: RemoteWrite) -> None:
         receiver.add_patch(txn, write.patch)
     elif write.version is not None:
         txn.version = write.version
-    backend.staged = txn
+    return txn
+
+
+def stage_write(worker: Any, write: RemoteWrite) -> None:
+    """Stage ``write`` here and now (:func:`stage_begin` does it beside the engine's steps)."""
+    backend = _backend(worker)
+    backend.staging = backend.staged = None
+    backend.staged = _stage(_receiver(worker), write)
 
 
 def stage_begin(worker: Any, write: RemoteWrite) -> None:
     """Start staging ``write`` on a thread of the worker and return: the engine keeps stepping
-    (staging only reads the parameters). :func:`stage_wait` answers how it went."""
-    _receiver(worker)
+    (staging only reads the parameters). :func:`stage_wait` answers how it went; the commit
+    takes the transaction from this staging only (one left behind by a client that gave up
+    waiting is never committed)."""
+    receiver = _receiver(worker)
     backend = _backend(worker)
     backend.staged, done = None, concurrent.futures.Future()
 
     def run() -> None:
         try:
-            stage_write(worker, write)
+            txn = _stage(receiver, write)
         except BaseException as exc:  # handed to stage_wait / commit_write
             done.set_exception(exc)
         else:
-            done.set_result(None)
+            done.set_result(txn)
 
     backend.staging = done
     threading.Thread(target=run, name="aiosync-stage", daemon=True).start()
@@ -163,9 +169,11 @@ def commit_write(worker: Any) -> int | None:
     """Write the staged transaction (all or nothing, on every worker)."""
     backend = _backend(worker)
     staging, backend.staging = getattr(backend, "staging", None), None
-    if staging is not None and not staging.done():
-        raise ApplyError("the commit came before the staging finished (stage_wait first)")
     txn, backend.staged = backend.staged, None
+    if staging is not None:
+        if not staging.done():
+            raise ApplyError("the commit came before the staging finished (stage_wait first)")
+        txn = staging.result()  # raises what the staging raised
     if txn is None:
         raise ApplyError("no staged write to commit (a stage failed, or another client staged one meanwhile)")
     receiver = _receiver(worker)
