@@ -129,8 +129,14 @@ class VLLMInPlaceTarget(EngineTarget):
             return await self._write(write)
 
     async def _stage(self, write: RemoteWrite) -> None:
-        """Stage ``write`` in every worker, on a thread there, while the engine steps; bounded
-        by ``timeout``."""
+        """Stage ``write`` in every worker while the engine steps, bounded by ``timeout``: an
+        offline ``LLM``'s worker is in this process, staged from the calls' second thread; an
+        ``AsyncLLM``'s engine core runs calls between two steps, so on a thread in the worker
+        (started, then waited for). (Staged on a thread of the worker's own, an in-process
+        engine kept ~1 model of transient memory resident: ``engine_patch_bench``.)"""
+        if self.kind == "llm":
+            await self._calls.worker("stage_write", write, beside=True)
+            return
         await self._calls.worker("stage_begin", write, beside=True)
         await self._calls.worker("stage_wait", self.timeout, beside=True)
 

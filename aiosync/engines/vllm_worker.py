@@ -46,6 +46,8 @@ from ..syncers.base import RemoteWrite
 #: The ``worker_extension_cls`` an ``AsyncLLM`` (or ``vllm serve``) needs for the in-place path.
 WORKER_EXTENSION = "aiosync.engines.vllm_worker.AiosyncWorkerExtension"
 _TAG = "__aiosync__"
+_STAGERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_STAGERS_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------- the calls
@@ -139,18 +141,10 @@ def stage_begin(worker: Any, write: RemoteWrite) -> None:
     waiting is never committed)."""
     receiver = _receiver(worker)
     backend = _backend(worker)
-    backend.staged, done = None, concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            txn = _stage(receiver, write)
-        except BaseException as exc:  # handed to stage_wait / commit_write
-            done.set_exception(exc)
-        else:
-            done.set_result(txn)
-
-    backend.staging = done
-    threading.Thread(target=run, name="aiosync-stage", daemon=True).start()
+    with _STAGERS_LOCK:  # one staging thread per backend, kept (a thread per write costs memory arenas)
+        stager = _STAGERS.setdefault(id(backend), concurrent.futures.ThreadPoolExecutor(1, "aiosync-stage"))
+    backend.staged = None
+    backend.staging = stager.submit(_stage, receiver, write)  # its error goes to stage_wait / commit_write
 
 
 def stage_wait(worker: Any, timeout: float) -> None:
