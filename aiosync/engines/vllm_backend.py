@@ -157,6 +157,7 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         #: The in-place write staged (a transaction), and the staging in progress (a future).
         self.staged: Any = None
         self.staging: Any = None
+        self.stager: Any = None  # the thread an AsyncLLM's writes are staged on
 
     # -- the engine's own layout -------------------------------------------------------
 
@@ -240,6 +241,8 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
 
     def shutdown(self) -> None:
         self._update = None
+        if self.stager is not None:
+            self.stager.shutdown(wait=False)
 
     # -- the update ----------------------------------------------------------------------
 

@@ -33,7 +33,6 @@ during the pause.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from typing import Any
 
 import torch
@@ -46,8 +45,6 @@ from ..syncers.base import RemoteWrite
 #: The ``worker_extension_cls`` an ``AsyncLLM`` (or ``vllm serve``) needs for the in-place path.
 WORKER_EXTENSION = "aiosync.engines.vllm_worker.AiosyncWorkerExtension"
 _TAG = "__aiosync__"
-_STAGERS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_STAGERS_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------- the calls
@@ -141,8 +138,9 @@ def stage_begin(worker: Any, write: RemoteWrite) -> None:
     waiting is never committed)."""
     receiver = _receiver(worker)
     backend = _backend(worker)
-    with _STAGERS_LOCK:  # one staging thread per backend, kept (a thread per write costs memory arenas)
-        stager = _STAGERS.setdefault(id(backend), concurrent.futures.ThreadPoolExecutor(1, "aiosync-stage"))
+    stager = getattr(backend, "stager", None)
+    if stager is None:  # one staging thread per backend, kept (a thread per write costs memory arenas)
+        stager = backend.stager = concurrent.futures.ThreadPoolExecutor(1, "aiosync-stage")
     backend.staged = None
     backend.staging = stager.submit(_stage, receiver, write)  # its error goes to stage_wait / commit_write
 
