@@ -100,7 +100,10 @@ def start_engine(kind: str, path: str | Path) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    from aiosync.engines.vllm_worker import WORKER_EXTENSION
+
+    # aiosync's calls into the workers (whole-state verification reads the engine's parameters)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args, worker_extension_cls=WORKER_EXTENSION))
 
 
 def optimizer_for(model: Any) -> Any:

@@ -18,7 +18,9 @@ server names that version), ``bytes_to_server`` (what the trainer's process sent
 for the versions synced by a patch: every step but the restart's), ``patch_bytes`` (the
 synchronizer's bytes of those patches), ``all_bytes_to_server`` (everything, the two
 bootstraps and the patch refused by the restarted server included), ``server_restarts``, ``rejected_unauthenticated``, ``pause_s`` (the
-engine's pause per write, mean and max), ``seconds``.
+engine's pause per write, mean and max), ``seconds``, ``path`` (``"inplace"``: the server started with aiosync's worker extension and,
+on a CPU, plain weights — the patches are written in the engine's parameters; ``--shadow``:
+without them, through the server's host copy).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import anyio
 import torch
 
 from aiosync.coordination import Synchronizer
+from aiosync.engines.vllm_plugin import PLAIN_WEIGHTS_ENV
 from aiosync.engines.vllm_server import VLLMServer, first_choice
+from aiosync.engines.vllm_worker import WORKER_EXTENSION
 from aiosync.errors import AuthenticationError
 from aiosync.runners.grpo import ModelShape, greedy, lm_step, make_tiny_llama
 
@@ -64,8 +68,12 @@ class ServerProcess:
     """``vllm serve`` in a subprocess, started with aiosync's backend, middleware and key;
     stopped by its PID (its engine core and workers are in its session)."""
 
-    def __init__(self, model_dir: Path, key_file: Path, log: Path, port: int | None = None) -> None:
+    def __init__(self, model_dir: Path, key_file: Path, log: Path, port: int | None = None,
+                 inplace: bool = True) -> None:
         self.model_dir, self.key_file, self.log = model_dir, key_file, log
+        #: Patches written in place in the engine's parameters (aiosync's worker extension, and on
+        #: a CPU plain weights: oneDNN re-packing off); ``False``: the shadow path (a host copy).
+        self.inplace = inplace
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -76,7 +84,8 @@ class ServerProcess:
                 "--enforce-eager", "--max-model-len", "64", "--max-num-seqs", "16", "--seed", "0",
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--weight-transfer-config", '{"backend": "aiosync"}',
-                "--middleware", "aiosync.engines.vllm_server_app.AiosyncApp"]
+                "--middleware", "aiosync.engines.vllm_server_app.AiosyncApp",
+                *(["--worker-extension-cls", WORKER_EXTENSION] if self.inplace else [])]
 
     async def start(self) -> None:
         """Start the server and wait (bounded) until it answers."""
@@ -85,6 +94,8 @@ class ServerProcess:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "AIOSYNC_SERVER_KEY_FILE": str(self.key_file),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine core runs in its own process
+        if self.inplace:
+            env[PLAIN_WEIGHTS_ENV] = "1"  # vLLM-CPU: linear weights stay plain, so patches land in place
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -158,7 +169,7 @@ async def rejected(server: ServerProcess, key_file: Path, workdir: Path) -> int:
     return count
 
 
-async def run(steps: int, restart_at: int, workdir: Path) -> dict:
+async def run(steps: int, restart_at: int, workdir: Path, inplace: bool = True) -> dict:
     from transformers import LlamaForCausalLM
 
     t0 = time.perf_counter()
@@ -167,7 +178,7 @@ async def run(steps: int, restart_at: int, workdir: Path) -> dict:
     key_file.write_text(os.urandom(32).hex())
     model = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-    server = ServerProcess(model_dir, key_file, workdir / "server.log")
+    server = ServerProcess(model_dir, key_file, workdir / "server.log", inplace=inplace)
     await server.start()
     exact, restarts = True, 0
     try:
@@ -202,7 +213,8 @@ async def run(steps: int, restart_at: int, workdir: Path) -> dict:
                           "all_bytes_to_server": client.statistics().bytes_sent,
                           "server_restarts": max(restarts, client.statistics().restarts),
                           "rejected_unauthenticated": refused,
-                          "pause_s": {"mean": engine["mean_pause_s"], "max": engine["max_pause_s"]}}
+                          "pause_s": {"mean": engine["mean_pause_s"], "max": engine["max_pause_s"]},
+                          "path": engine["path"]}
     finally:
         await server.stop()
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -214,11 +226,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--restart-server-at", type=int, default=5, help="0: never")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--shadow", action="store_true",
+                        help="the server without aiosync's worker extension: writes through a host copy")
     args = parser.parse_args(argv)
     if args.steps < 1 or not 0 <= args.restart_server_at <= args.steps:
         parser.error("--steps must be >= 1 and --restart-server-at between 0 and --steps")
     with tempfile.TemporaryDirectory() as tmp:
-        report = anyio.run(run, args.steps, args.restart_server_at, Path(tmp))
+        report = anyio.run(run, args.steps, args.restart_server_at, Path(tmp), not args.shadow)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json is not None:

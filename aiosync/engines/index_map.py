@@ -126,8 +126,8 @@ class TensorMap:
             return None
         starts = torch.from_numpy(np.ascontiguousarray(self.owned[:, 0]))
         ends = torch.from_numpy(np.ascontiguousarray(self.owned[:, 1]))
-        k = torch.searchsorted(starts, positions, right=True) - 1
-        return (k >= 0) & (positions < ends[k.clamp(min=0)])
+        k = torch.searchsorted(starts, positions, right=True) - 1  # a worker owning none: all False
+        return (k >= 0) & (positions < (ends[k.clamp(min=0)] if len(ends) else -1))
 
 
 @dataclass

@@ -56,7 +56,7 @@ from ..errors import ApplyError, ConfigError, PeerTimeoutError, VersionError
 from ..syncers.bucket.format import bucket_manifest, iter_named_tensor_buckets, seal_bucket
 from .index_map import ProbeError
 from .layout import checkpoint_layout, incomplete_group, layout_problem, spec_of, tied_aliases
-from .vllm_calls import AsyncCalls, Late, OfflineCalls, ResumeFailed
+from .vllm_calls import Late, ResumeFailed, make_calls
 from .vllm_common import EngineStats, EngineTarget, _engine_kind, check_target_args
 
 log = logging.getLogger("aiosync.engines")
@@ -100,25 +100,28 @@ class _Kept(Exception):
 
 def _choose_inplace(engine: Any, inplace: bool | str) -> bool:
     """Whether ``VLLMTarget(engine, inplace=...)`` tries the in-place path: only when asked
-    (``True`` or ``"auto"``), and then only an in-process ``LLM`` whose parameters are all
-    readable (none re-packed) — anything else is a :class:`ConfigError` saying why for
-    ``True``, the shadow path for ``"auto"``."""
+    (``True`` or ``"auto"``), and then only when aiosync's calls reach the engine's workers and
+    every parameter there is readable (none re-packed) — asked through that same route; anything
+    else is a :class:`ConfigError` saying why for ``True``, the shadow path for ``"auto"``."""
     if inplace not in (True, False, "auto") or not isinstance(inplace, (bool, str)):
         raise ConfigError(f"VLLMTarget: inplace must be True (patches written in the engine's own parameters, "
                           f"opt-in), 'auto' (in place where the engine allows it, else the shadow path) or False "
                           f"(the shadow path, the default), got {inplace!r}")
     if not inplace:
         return False
-    from .vllm_inplace import engine_parameters_readable, fall_back
+    from .vllm_inplace import fall_back, unreadable
 
-    if _engine_kind(engine) != "llm":
-        error = ConfigError("VLLMTarget: inplace=True needs an offline vllm.LLM in this process (an AsyncLLM's "
-                            "workers run in another process; in-place writes there are not implemented yet)")
-    elif not engine_parameters_readable(engine):
-        error = ConfigError("VLLMTarget: inplace=True, but the engine re-packs its parameters (vLLM-CPU's oneDNN "
-                            "linear layers), which cannot be written in place; use the default (inplace=False)")
-    else:
-        return True
+    try:
+        name = unreadable(engine)
+        if name is None:
+            return True
+        error = ConfigError(f"VLLMTarget: inplace=True, but the engine re-packs its parameters ({name!r}: vLLM-CPU's "
+                            "oneDNN linear layers), which cannot be written in place; use the default "
+                            "(inplace=False), or on a CPU start the engine with AIOSYNC_VLLM_PLAIN_WEIGHTS=1")
+    except ConfigError as exc:  # no route to the workers (an AsyncLLM without aiosync's worker extension)
+        if inplace != "auto":
+            raise ConfigError(f"VLLMTarget: inplace=True, but {exc}") from None
+        error = exc
     if inplace != "auto":
         raise error
     fall_back(error)
@@ -165,15 +168,19 @@ class VLLMTarget(EngineTarget):
 
     ``inplace``: ``False`` (default) — this class, the shadow path; ``True`` (opt-in) — a
     :class:`~aiosync.engines.vllm_inplace.VLLMInPlaceTarget` (patches decoded and written in
-    the engine's own parameters, no host copy), for an in-process ``LLM`` whose parameters can
-    be written as they are (a CPU build without oneDNN re-packing; vLLM on a GPU, untested), a
-    :class:`ConfigError` for any other engine, and a :class:`~aiosync.engines.index_map.ProbeError`
-    (a ``ConfigError``) naming the tensor when the model's loader cannot be probed for the
-    index map (the probe runs here: build the target before generating, off the event loop);
-    ``"auto"`` — in place where ``True`` would be, the shadow path (this class) wherever
-    ``True`` would raise, the reason logged. The in-place path has only run on a CPU, with
-    one engine rank and an offline ``LLM`` (never on a GPU or under tensor parallelism), so it
-    is never chosen unless asked for. ``statistics().path`` says which.
+    the engine's own parameters, no host copy), for an engine whose workers take aiosync's calls
+    (an offline ``LLM``; an ``AsyncLLM`` started with ``worker_extension_cls=``
+    :data:`~aiosync.engines.vllm_worker.WORKER_EXTENSION`) and whose parameters can be written
+    as they are (on a CPU: ``AIOSYNC_VLLM_PLAIN_WEIGHTS=1``, see
+    :mod:`aiosync.engines.vllm_plugin`; vLLM on a GPU, untested), a :class:`ConfigError` saying
+    why for any other engine, and a :class:`~aiosync.engines.index_map.ProbeError` (a
+    ``ConfigError``) naming the tensor when the model's loader cannot be probed for the index
+    map (the probe runs here: build the target before generating, off the event loop — for an
+    ``AsyncLLM`` in a worker thread of its loop, ``await aiosync.run_sync(VLLMTarget, engine,
+    inplace=True)``); ``"auto"`` — in place where ``True`` would be, the shadow path (this
+    class) wherever ``True`` would raise, the reason logged. The in-place path has only run on a
+    CPU with one engine rank (never on a GPU or under tensor parallelism), so it is never chosen
+    unless asked for. ``statistics().path`` says which.
     """
 
     path = "shadow"
@@ -228,8 +235,8 @@ class VLLMTarget(EngineTarget):
         self._synced_aliases: set[str] = set()
         self._initialized = False
         self._nonce, self._update_ids = uuid.uuid4().hex[:12], itertools.count()  # update ids unique per engine
-        calls = OfflineCalls if self.kind == "llm" else AsyncCalls
-        self._calls = calls(engine, pause_mode, clear_cache, timeout)
+        self._calls = make_calls(engine, pause_mode, clear_cache, timeout)
+        self._digest_route = True  # whether state_digests can read the engine's parameters
 
     def _check_layout(self, model_dir: str) -> None:
         layout = checkpoint_layout(model_dir)
@@ -465,10 +472,11 @@ class VLLMTarget(EngineTarget):
     async def state_digests(self, keys: Sequence[str]) -> dict[str, int]:
         """Whole-state verification (a :class:`~aiosync.syncers.base.DigestTarget`): the digest
         of each tensor ``keys`` as this explorer holds it — read from the engine's own
-        parameters, in the engine, where they can be read (an in-process ``LLM``: every tensor
-        when no parameter is re-packed, else those in checkpoint form; see
-        :func:`~aiosync.engines.vllm_backend.digest_parameters`), from the host copy for the
-        rest (an ``AsyncLLM``'s workers; a CPU engine's re-packed linear layers).
+        parameters, in the engine's workers (through :mod:`aiosync.engines.vllm_worker`: an
+        ``AsyncLLM`` needs aiosync's ``worker_extension_cls``), where they can be read: every
+        tensor when no parameter is re-packed, else those in checkpoint form (see
+        :func:`~aiosync.engines.vllm_backend.digest_parameters`); from the host copy for the
+        rest (a CPU engine's re-packed linear layers; an ``AsyncLLM`` without the extension).
 
         A tensor the engine holds otherwise than the host copy is marked: the next write — the
         repair the mismatch starts — sends its layer whether or not it changes the host copy
@@ -478,13 +486,14 @@ class VLLMTarget(EngineTarget):
         keys = [k for k in keys if k in self._shadow]
         held = await run_sync(state_digests, self._shadow, keys)
         engine: dict[str, int] = {}
-        if self.kind == "llm" and self.error is None:
-            from .vllm_backend import digest_parameters
-
+        if self.error is None and self._digest_route:
             wanted = sorted({self._aliases.get(k, k) for k in keys})
             specs = {k: (tuple(self._shadow[k].shape), self._shadow[k].dtype) for k in wanted}
-            async with self._calls.lock:
-                engine = (await self._calls.call(self.engine.collective_rpc, digest_parameters, args=(specs,)))[0]
+            try:
+                engine = (await self._calls.worker("digest_parameters", specs))[0]
+            except ConfigError as exc:  # an AsyncLLM without aiosync's worker extension: the host copy only
+                log.info("aiosync: the vLLM engine's weights are verified through the host copy: %s", exc)
+                self._digest_route = False
         wrong = {self._aliases.get(k, k) for k in keys if engine.get(self._aliases.get(k, k), held[k]) != held[k]}
         if wrong:
             log.warning("aiosync: the vLLM engine holds %d tensor(s) otherwise than its host copy (%s): their layers "

@@ -147,13 +147,17 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
         self.version: int | None = None
         #: Why this backend gave up (a layer could not be put back), or ``None``.
         self.unknown: str | None = None
-        #: The in-place path (:mod:`aiosync.engines.vllm_inplace`): the receiver that writes
-        #: patches into this worker's parameters, probed on the first write, and its staged write.
+        #: The in-place path (:mod:`aiosync.engines.vllm_inplace`, reached through
+        #: :mod:`aiosync.engines.vllm_worker`): the receiver that writes patches into this worker's
+        #: parameters, probed when the target is made.
         self.receiver: Any = None
         #: The shadow path's verification: the index map :func:`digest_parameters` reads the
         #: parameters through (``False``: none can be probed here; ``None``: not probed yet).
         self.digest_map: Any = None
+        #: The in-place write staged (a transaction), and the staging in progress (a future).
         self.staged: Any = None
+        self.staging: Any = None
+        self.stager: Any = None  # the thread an AsyncLLM's writes are staged on
 
     # -- the engine's own layout -------------------------------------------------------
 
@@ -237,6 +241,8 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
 
     def shutdown(self) -> None:
         self._update = None
+        if self.stager is not None:
+            self.stager.shutdown(wait=False)
 
     # -- the update ----------------------------------------------------------------------
 

@@ -9,7 +9,11 @@ process, stepped on a thread of its own so that writes land between two steps) a
   returning a future of the engine's answer, and :meth:`EngineCalls.answer`, which waits for one
   with the timeout and, past it, raises :class:`Late` *without abandoning it*: the call still
   runs in the engine, and a caller can close the update behind it (the engine answers calls
-  in order) or keep waiting for it.
+  in order) or keep waiting for it;
+* aiosync's own calls into the engine's workers (``rpc(name, *args)``, by name: probe, stage,
+  commit, read, digest; :mod:`aiosync.engines.vllm_worker`) — the offline ``LLM`` sends the
+  function itself, the ``AsyncLLM`` a string-named worker method (vLLM's RPC carries no
+  callables), and both answer the same values or raise the same aiosync errors.
 
 The update transaction that drives these calls is written once, in
 :meth:`VLLMTarget._send <aiosync.engines.vllm.VLLMTarget>`; another way to reach an engine
@@ -28,7 +32,7 @@ from typing import Any
 import anyio
 
 from ..aio import run_sync
-from ..errors import ApplyError, PeerTimeoutError
+from ..errors import ApplyError, ConfigError, PeerTimeoutError
 
 
 class Late(Exception):
@@ -93,6 +97,16 @@ class EngineCalls:
         """The ``update_info`` of each bucket, made before the pause."""
         raise NotImplementedError
 
+    async def worker(self, name: str, *args: Any, beside: bool = False) -> list[Any]:
+        """Every worker's answer to the aiosync call ``name`` (:data:`~aiosync.engines.vllm_worker.CALLS`),
+        bounded by ``timeout`` (:class:`~aiosync.errors.PeerTimeoutError` past it). ``beside``:
+        not on the engine's thread (a call that only reads the parameters, run while it steps)."""
+        try:
+            return await self.answer(name, self.rpc(name, *args, beside=beside))
+        except Late as late:
+            late.drop()
+            raise PeerTimeoutError(str(late)) from None
+
 
 class OfflineCalls(EngineCalls):
     """An offline ``vllm.LLM``: every engine call runs on one thread of its own, in order; a
@@ -112,6 +126,43 @@ class OfflineCalls(EngineCalls):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+
+    _beside: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def rpc(self, name: str, *args: Any, beside: bool = False) -> asyncio.Future:
+        """The aiosync call ``name`` in every worker: the function itself, in this process."""
+        from .vllm_worker import answer, call
+
+        def run() -> list[Any]:
+            return answer(self.engine.collective_rpc(call, args=(name, *args)))
+
+        if not beside:
+            return self.submit(run)
+        if self._beside is None:
+            self._beside = concurrent.futures.ThreadPoolExecutor(1, "aiosync-vllm-stage")
+        return asyncio.wrap_future(self._beside.submit(run))
+
+    def rpc_now(self, name: str, *args: Any) -> list[Any]:
+        """:meth:`rpc`, answered here (the engine idle: while a target is built)."""
+        from .vllm_worker import answer, call
+
+        return answer(self.engine.collective_rpc(call, args=(name, *args)))
+
+    def commit(self, label: str | None) -> asyncio.Future:
+        """The in-place commit, on the engine's thread (under :meth:`paused`): write the staged
+        transaction in every worker, label it, reset the prefix cache."""
+        from .vllm_worker import answer, call
+
+        def commit() -> None:
+            answer(self.engine.collective_rpc(call, args=("commit_write",)))
+            if label is not None:
+                self.engine.llm_engine.set_weight_version(label)
+            if self.clear_cache:
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+
+        return self.submit(commit)
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> asyncio.Future:
         return asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
@@ -240,6 +291,50 @@ class AsyncCalls(EngineCalls):
     def _task(self, coro: Any) -> asyncio.Future:
         return asyncio.ensure_future(coro)
 
+    def rpc(self, name: str, *args: Any, beside: bool = False) -> asyncio.Future:
+        """The aiosync call ``name`` in every worker: the string-named worker method
+        ``aiosync_call`` (the engine needs ``worker_extension_cls=WORKER_EXTENSION``), its
+        arguments and answers as wire values. The engine core runs it between two steps."""
+        from .vllm_worker import WORKER_EXTENSION, answer, to_wire
+
+        async def run() -> list[Any]:
+            try:
+                replies = await self.engine.collective_rpc("aiosync_call", args=(name, *to_wire(list(args))))
+            except Exception as exc:
+                if "aiosync_call" in str(exc) and "not implemented" in str(exc):
+                    raise ConfigError(f"this AsyncLLM's workers cannot take aiosync's calls: start the engine "
+                                      f"with worker_extension_cls={WORKER_EXTENSION!r} (vllm serve: "
+                                      f"--worker-extension-cls {WORKER_EXTENSION})") from None
+                raise
+            return answer(replies, wire=True)
+
+        return self._task(run())
+
+    def rpc_now(self, name: str, *args: Any) -> list[Any]:
+        """:meth:`rpc`, answered here: from a worker thread of the engine's event loop (a target
+        is built there, e.g. ``await aiosync.run_sync(VLLMTarget, engine, inplace=True)``)."""
+        async def run() -> list[Any]:
+            return await self.worker(name, *args)
+
+        try:
+            return anyio.from_thread.run(run)
+        except RuntimeError as exc:
+            if "worker thread" not in str(exc) and "event loop" not in str(exc):
+                raise
+            raise ConfigError("VLLMTarget(async_llm, inplace=...) calls the engine's workers while it is built: "
+                              "build it in a worker thread of the engine's event loop, e.g. "
+                              "`await aiosync.run_sync(VLLMTarget, engine, inplace=True)`") from None
+
+    def commit(self, label: str | None) -> asyncio.Future:
+        """The in-place commit (under :meth:`paused`, which also resets the prefix cache):
+        write the staged transaction in every worker, then label it."""
+        async def commit() -> None:
+            await self.rpc("commit_write")
+            if label is not None:
+                await self.engine.update_weight_version(label)
+
+        return self._task(commit())
+
     async def payloads(self, buckets: list[dict]) -> list[dict]:
         from safetensors.torch import save
 
@@ -292,3 +387,12 @@ class AsyncCalls(EngineCalls):
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         return results
+
+
+def make_calls(engine: Any, pause_mode: str, clear_cache: bool, timeout: float) -> EngineCalls:
+    """The calls for ``engine``: :class:`OfflineCalls` for a ``vllm.LLM``, :class:`AsyncCalls`
+    for an ``AsyncLLM``."""
+    from .vllm_common import _engine_kind
+
+    cls = OfflineCalls if _engine_kind(engine) == "llm" else AsyncCalls
+    return cls(engine, pause_mode, clear_cache, timeout)

@@ -17,6 +17,9 @@ line to ``<plan>.fired`` (:meth:`FaultPlan.fired`), so a test can tell it really
 * ``missing_bucket`` — bucket ``i`` never arrives (dropped on arrival).
 * ``late_bucket`` — bucket ``i`` arrives ``delay_s`` seconds late (set it past the client's
   timeout): the client gives up on the update before the bucket is there.
+* ``write_raises`` — the in-place path (:mod:`aiosync.engines.vllm_inplace`): the commit of
+  version ``v`` raises after writing tensor ``i`` of its patch (``bucket`` is ``i``): the
+  values written before it must be put back.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .vllm_backend import AiosyncUpdateInfo, AiosyncWeightTransferEngine, _Updat
 PLAN_ENV = "AIOSYNC_ENGINE_FAULTS"
 #: The backend name engines select to have faults injected.
 BACKEND = "aiosync-faults"
-FAULTS = ("load_raises", "refused_bucket", "missing_bucket", "late_bucket")
+FAULTS = ("load_raises", "refused_bucket", "missing_bucket", "late_bucket", "write_raises")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,19 @@ class FaultyWeightTransferEngine(AiosyncWeightTransferEngine):
         super().start_weight_update()
         source = FaultPlan.from_env()
         self._source, self._plan = source, (source.read() if source is not None else {})
+
+    def arm_commit(self, receiver: Any, version: int | None) -> None:
+        """Before an in-place commit (:func:`aiosync.engines.vllm_worker.commit_write`): read the
+        plan and arm ``write_raises`` on the receiver."""
+        source = FaultPlan.from_env()
+        self._source, self._plan = source, (source.read() if source is not None else {})
+
+        def fault(i: int, n: int) -> None:
+            if self._fires("write_raises", version, i):
+                raise RuntimeError(f"injected fault: the in-place write of version {version} failed after tensor "
+                                   f"{i} of {n}")
+
+        receiver.fault = fault
 
     def _fires(self, fault: str, version: Any, bucket: int) -> bool:
         plan = self._plan

@@ -1,12 +1,15 @@
 """A vLLM engine whose parameters are written in place: :class:`VLLMInPlaceTarget`.
 
-``VLLMTarget(llm, inplace=True)`` (opt-in; the default is the shadow target,
+``VLLMTarget(engine, inplace=True)`` (opt-in; the default is the shadow target,
 :class:`~aiosync.engines.vllm.VLLMTarget`: a host copy, whole layers through the reload)
-returns one of these when the engine is an offline ``LLM`` in this process whose parameters can
-be read and written as they are (a CPU build whose linear layers are not re-packed into oneDNN
-handles; vLLM on a GPU, not tested), and refuses with a ``ConfigError`` otherwise. The index
-map is probed when the target is made (the model must be idle): a model whose loader cannot be
-mapped is refused then, with a :class:`~aiosync.engines.index_map.ProbeError` naming the tensor
+returns one of these when aiosync's calls reach the engine's workers
+(:mod:`aiosync.engines.vllm_worker`: an offline ``LLM`` in this process, or an ``AsyncLLM`` —
+engine core and workers in other processes, so ``vllm serve`` — started with aiosync's
+``worker_extension_cls``) and its parameters can be read and written as they are (a CPU build
+whose linear layers are not re-packed into oneDNN handles; vLLM on a GPU, not tested), and
+refuses with a ``ConfigError`` otherwise. The index map is probed when the target is made (the
+model must be idle): a model whose loader cannot be mapped is refused then, with a
+:class:`~aiosync.engines.index_map.ProbeError` naming the tensor
 (``inplace="auto"`` takes the shadow path instead, and logs why).
 
 The target holds no weights. It is a :class:`~aiosync.syncers.base.RemoteTarget`: a mapping of
@@ -19,8 +22,8 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 * **staged, the engine generating**: the patch is decoded, the old values at its positions
   read from the parameters and checked against the sender's drift hash, the new values and
-  their parameter offsets computed — on a thread of the target's own, beside the engine's
-  steps (it only reads the parameters; the engine's thread is not held);
+  their parameter offsets computed — on a thread in the worker, beside the engine's steps (it
+  only reads the parameters; the engine is not held);
 * **the pause**: the scatter of the new values (whole tensors through the loader), the label,
   the prefix-cache reset. Old values are journaled: a write that raises puts them back, the
   engine keeps its version and the syncer its own.
@@ -28,8 +31,6 @@ through the model's own ``load_weights`` (:mod:`aiosync.engines.index_map`), and
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
@@ -43,91 +44,10 @@ from ..messages import payload_nbytes
 from ..syncers.base import RemoteWrite
 from .index_map import ProbeError
 from .layout import checkpoint_layout, tied_aliases
-from .vllm_calls import Late, OfflineCalls, ResumeFailed
-from .vllm_common import EngineStats, EngineTarget, check_target_args
+from .vllm_calls import Late, ResumeFailed, make_calls
+from .vllm_common import EngineStats, EngineTarget, _engine_kind, check_target_args
 
 log = logging.getLogger("aiosync.sync")
-
-
-# ----------------------------------------------------------------------------- in the worker
-
-def _backend(worker: Any) -> Any:
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if engine is None:
-        raise ConfigError("the vLLM worker has no weight-transfer engine: start it with "
-                          "weight_transfer_config={'backend': 'aiosync'}")
-    return engine
-
-
-def unreadable_parameter(worker: Any) -> str | None:
-    """``collective_rpc`` helper: the first parameter of the worker's model that cannot be
-    written in place (empty: re-packed into a kernel's handle; not contiguous), or ``None``."""
-    for name, p in worker.get_model().named_parameters():
-        if p.numel() == 0 or not p.is_contiguous():
-            return name
-    return None
-
-
-def probe_receiver(worker: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                   aliases: dict[str, str]) -> dict:
-    """``collective_rpc`` helper: probe the index map (the model must be idle) and keep an
-    :class:`~aiosync.engines.inplace.EngineReceiver` on the worker's backend; its statistics."""
-    from .inplace import EngineReceiver
-
-    model = worker.get_model()
-    manifest = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()}
-    backend = _backend(worker)
-    backend.receiver = EngineReceiver(model, model.load_weights, manifest, aliases=aliases)
-    backend.staged = None
-    return backend.receiver.statistics()
-
-
-def stage_write(worker: Any, write: RemoteWrite) -> None:
-    """``collective_rpc`` helper: stage ``write`` on the worker's receiver (decoded, old values
-    read, drift checked; nothing written). Raises what is wrong with it."""
-    backend = _backend(worker)
-    receiver = backend.receiver
-    if receiver is None:
-        raise ApplyError("this worker has no in-place receiver (probe_receiver never ran here)")
-    backend.staged = None
-    txn = receiver.begin(write.handshake)
-    for bucket in write.tensors:
-        receiver.add_tensors(txn, bucket, write.version)
-    if write.patch is not None:
-        receiver.add_patch(txn, write.patch)
-    elif write.version is not None:
-        txn.version = write.version
-    backend.staged = txn
-
-
-def commit_write(worker: Any) -> int | None:
-    """``collective_rpc`` helper: write the staged transaction (all or nothing)."""
-    backend = _backend(worker)
-    txn, backend.staged = backend.staged, None
-    if txn is None:
-        raise ApplyError("no staged write to commit (a stage failed, or another client staged one meanwhile)")
-    return backend.receiver.commit(txn)
-
-
-def read_checkpoint(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """``collective_rpc`` helper: the tensors ``names`` in checkpoint form, read from the
-    engine's parameters through the index map (fused, padded parameters included)."""
-    receiver = _backend(worker).receiver
-    return {n: receiver.map.whole(receiver.aliases.get(n, n)) for n in names}
-
-
-def digest_checkpoint(worker: Any, names: list[str]) -> dict[str, int]:
-    """``collective_rpc`` helper: the state digest of each tensor ``names`` in checkpoint form,
-    read from the engine's parameters through the index map, one tensor at a time."""
-    from ..syncers.common.integrity import state_digest
-
-    receiver = _backend(worker).receiver
-    return {n: state_digest(receiver.map.whole(receiver.aliases.get(n, n))) for n in names}
-
-
-def receiver_statistics(worker: Any) -> dict:
-    """``collective_rpc`` helper: the worker's receiver's statistics."""
-    return _backend(worker).receiver.statistics()
 
 
 # ----------------------------------------------------------------------------- the target
@@ -138,14 +58,21 @@ def fall_back(error: BaseException) -> None:
                 "cannot run on this engine: %s", error)
 
 
-def engine_parameters_readable(engine: Any) -> bool:
-    """Whether every parameter of an in-process engine can be written in place (none re-packed)."""
-    return all(name is None for name in engine.collective_rpc(unreadable_parameter))
+def unreadable(engine: Any) -> str | None:
+    """The first parameter of the engine's workers that cannot be written in place (re-packed
+    for a kernel), or ``None``: asked through the route writes take
+    (:mod:`aiosync.engines.vllm_worker`); a :class:`ConfigError` if there is none (an
+    ``AsyncLLM`` started without aiosync's ``worker_extension_cls``)."""
+    calls = make_calls(engine, "keep", False, 60.0)
+    try:
+        return next((name for name in calls.rpc_now("unreadable_parameter") if name is not None), None)
+    finally:
+        calls.close()
 
 
 class VLLMInPlaceTarget(EngineTarget):
-    """A vLLM offline ``LLM`` whose parameters receive aiosync's writes in place (see the
-    module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
+    """A vLLM engine (offline ``LLM`` or ``AsyncLLM``) whose parameters receive aiosync's writes
+    in place (see the module docstring). Made by ``VLLMTarget(llm, inplace=True)`` when the engine's parameters
     are readable; the arguments are that class's (``bucket_size`` unused).
     ``tensors``: only their names, shapes and dtypes are used (default: the checkpoint's)."""
 
@@ -153,8 +80,8 @@ class VLLMInPlaceTarget(EngineTarget):
 
     def __init__(self, engine: Any, *, tensors: Mapping[str, torch.Tensor] | None = None, pause_mode: str = "keep",
                  clear_cache: bool = True, bucket_size: int = 256 << 20, timeout: float = 300.0) -> None:
-        vllm_config = check_target_args(engine, "llm", pause_mode, bucket_size, timeout)
-        self.engine, self.kind = engine, "llm"
+        self.engine, self.kind = engine, _engine_kind(engine)
+        vllm_config = check_target_args(engine, self.kind, pause_mode, bucket_size, timeout)
         model_config = vllm_config.model_config
         self.dtype: torch.dtype = model_config.dtype
         if tensors is not None:
@@ -177,12 +104,10 @@ class VLLMInPlaceTarget(EngineTarget):
         self.version: int | None = None
         self.error: BaseException | None = None
         self.stats = EngineStats()
-        self._calls = OfflineCalls(engine, pause_mode, clear_cache, timeout)
-        #: Staging runs here, not on the engine's thread: steps go on meanwhile (it reads only).
-        self._stager = concurrent.futures.ThreadPoolExecutor(1, "aiosync-vllm-stage")
+        self._calls = make_calls(engine, pause_mode, clear_cache, timeout)
         self._writing = anyio.Lock()  # one write at a time: the worker keeps one staged write
         try:  # the map, probed now (the model idle): a loader it cannot read is refused here
-            self.engine.collective_rpc(probe_receiver, args=(self._specs, self._aliases))
+            self._calls.rpc_now("probe_receiver", self._specs, self._aliases)
         except ProbeError as exc:
             self.close()
             raise ProbeError(f"VLLMTarget: inplace=True, but this model's loader cannot be mapped for in-place writes "
@@ -203,19 +128,17 @@ class VLLMInPlaceTarget(EngineTarget):
         async with self._writing:
             return await self._write(write)
 
-    def close(self) -> None:
-        """Stop the engine thread and the staging thread (the engine itself stays the caller's)."""
-        super().close()
-        self._stager.shutdown(wait=True)
-
     async def _stage(self, write: RemoteWrite) -> None:
-        """Stage ``write`` on the worker's receiver, on the staging thread, bounded by ``timeout``."""
-        pending = asyncio.wrap_future(self._stager.submit(self.engine.collective_rpc, stage_write, args=(write,)))
-        try:
-            await self._calls.answer(f"the staging of version {write.version}", pending)
-        except Late as late:
-            late.drop()
-            raise PeerTimeoutError(str(late)) from None
+        """Stage ``write`` in every worker while the engine steps, bounded by ``timeout``: an
+        offline ``LLM``'s worker is in this process, staged from the calls' second thread; an
+        ``AsyncLLM``'s engine core runs calls between two steps, so on a thread in the worker
+        (started, then waited for). (Staged on a thread of the worker's own, an in-process
+        engine kept ~1 model of transient memory resident: ``engine_patch_bench``.)"""
+        if self.kind == "llm":
+            await self._calls.worker("stage_write", write, beside=True)
+            return
+        await self._calls.worker("stage_begin", write, beside=True)
+        await self._calls.worker("stage_wait", self.timeout, beside=True)
 
     async def _write(self, write: RemoteWrite) -> int | None:
         calls = self._calls
@@ -232,8 +155,8 @@ class VLLMInPlaceTarget(EngineTarget):
             t0 = time.perf_counter()
             try:
                 async with calls.paused():
-                    await calls.answer(f"the in-place write of version {write.version}",
-                                       calls.submit(self._commit, label), patience=2)
+                    await calls.answer(f"the in-place write of version {write.version}", calls.commit(label),
+                                       patience=2)
             except ResumeFailed as exc:
                 self.error = exc
                 raise ApplyError(f"{exc}: generation may stay paused") from exc
@@ -252,14 +175,6 @@ class VLLMInPlaceTarget(EngineTarget):
             self.version = write.version
             return write.version
 
-    def _commit(self, label: str | None) -> None:
-        """On the engine's thread, generation paused: write, label, reset the prefix cache."""
-        self.engine.collective_rpc(commit_write)
-        if label is not None:
-            self.engine.llm_engine.set_weight_version(label)
-        if self.clear_cache:
-            self.engine.reset_prefix_cache(reset_running_requests=True)
-
     def _count(self, write: RemoteWrite, pause_s: float) -> None:
         s = self.stats
         s.commits += 1
@@ -275,17 +190,15 @@ class VLLMInPlaceTarget(EngineTarget):
     async def read_engine(self) -> dict[str, torch.Tensor]:
         """Every synced tensor in checkpoint form, read from the engine's own parameters through
         the index map (fused ``qkv_proj`` / ``gate_up_proj`` and padded vocabularies included)."""
-        async with self._calls.lock:
-            per_worker = await self._calls.call(self.engine.collective_rpc, read_checkpoint, args=(list(self._specs),))
-        return per_worker[0]
+        return (await self._calls.worker("read_checkpoint", list(self._specs)))[0]
 
     async def state_digests(self, keys: list[str]) -> dict[str, int]:
         """The digest of each tensor ``keys`` as the engine's parameters hold it (whole-state
         verification; :class:`~aiosync.syncers.base.RemoteTarget`), computed in the engine,
         between two steps."""
-        return (await self._calls.call(self.engine.collective_rpc, digest_checkpoint, args=(list(keys),)))[0]
+        return (await self._calls.worker("digest_checkpoint", list(keys)))[0]
 
     async def engine_statistics(self) -> dict:
         """The engine worker's receiver: the map (tensors, runs, bytes, fallback tensors, the
         probe's transient memory) and its writes (commits, elements, rollbacks)."""
-        return (await self._calls.call(self.engine.collective_rpc, receiver_statistics))[0]
+        return (await self._calls.worker("receiver_statistics"))[0]

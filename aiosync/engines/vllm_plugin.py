@@ -4,9 +4,19 @@ vLLM calls :func:`register` in every process it starts (the front end, engine-co
 processes), so an engine started with ``weight_transfer_config={"backend": "aiosync"}`` finds
 the backend even in a spawned process. Registration is by module path: the backend
 (:mod:`aiosync.engines.vllm_backend`) is imported only where an engine selects it.
+
+**Plain weights on a CPU** (opt-in): with ``AIOSYNC_VLLM_PLAIN_WEIGHTS=1`` in the environment
+of the engine's processes, :func:`register` turns vLLM-CPU's oneDNN re-packing of linear layers
+off in each of them (``vllm._custom_ops._supports_onednn = False``, read when the model loads),
+so that the parameters stay plain tensors laid out as on a GPU and patches can be written in
+them in place (``VLLMTarget(..., inplace="auto")``). It is the only way to get that for an
+engine in another process (an ``AsyncLLM``, ``vllm serve``); generation is slower without
+oneDNN. Without the variable nothing changes. A GPU build never re-packs: not needed there.
 """
 
 from __future__ import annotations
+
+import os
 
 #: The name engines select: ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "aiosync"
@@ -14,6 +24,8 @@ BACKEND = "aiosync"
 #: backend with faults injected on purpose (:mod:`aiosync.engines.vllm_faults`).
 BACKENDS = {BACKEND: ("aiosync.engines.vllm_backend", "AiosyncWeightTransferEngine"),
             "aiosync-faults": ("aiosync.engines.vllm_faults", "FaultyWeightTransferEngine")}
+#: The environment variable that keeps a CPU engine's linear weights plain (see the module docstring).
+PLAIN_WEIGHTS_ENV = "AIOSYNC_VLLM_PLAIN_WEIGHTS"
 
 
 def register() -> None:
@@ -21,6 +33,10 @@ def register() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     _shield_llvmlite()
+    if os.environ.get(PLAIN_WEIGHTS_ENV, "") not in ("", "0"):
+        import vllm._custom_ops as ops
+
+        ops._supports_onednn = False  # read when a linear layer is built: plain weights from here on
     for name, (module, cls) in BACKENDS.items():
         try:
             WeightTransferEngineFactory.register_engine(name, module, cls)

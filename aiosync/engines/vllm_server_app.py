@@ -152,8 +152,9 @@ class Conversation:
 
 class ServerEnd:
     """The receiving end in the server process: receivers made from the explorer's config,
-    writing the engine through its host copy (:class:`~aiosync.engines.vllm.VLLMTarget` over
-    ``engine``, made at the first handshake) or into ``target`` (any model a syncer writes).
+    writing the engine (:class:`~aiosync.engines.vllm.VLLMTarget` over ``engine`` with
+    ``inplace="auto"``, made at the first handshake: in place where it can be, else through a
+    host copy) or into ``target`` (any model a syncer writes).
     ``tg``: the task group the receivers' conversations run in."""
 
     def __init__(self, engine: Any, tg: Any, target: Any = None) -> None:
@@ -175,7 +176,9 @@ class ServerEnd:
         if self.target is None:  # reads the engine's checkpoint: off the event loop
             from .vllm import VLLMTarget
 
-            self.target = await run_sync(VLLMTarget, self.engine)
+            # in place where the engine's workers take aiosync's calls and its parameters are
+            # readable (--worker-extension-cls; on a CPU AIOSYNC_VLLM_PLAIN_WEIGHTS=1), else the host copy
+            self.target = await run_sync(VLLMTarget, self.engine, inplace="auto")
         return self.target
 
     def _drop_conversation(self) -> None:
@@ -285,7 +288,7 @@ class ServerEnd:
     def state(self) -> dict:
         target = self.target
         pause = {} if not hasattr(target, "statistics") else {k: getattr(target.statistics(), k) for k in (
-            "writes", "refused", "bytes_sent", "last_pause_s", "max_pause_s", "mean_pause_s", "broken")}
+            "writes", "refused", "bytes_sent", "last_pause_s", "max_pause_s", "mean_pause_s", "broken", "path")}
         return {"version": self.version, "writing": self.writing, **self.stats, "engine": pause}
 
 
