@@ -63,14 +63,16 @@ def small_numbers(completion_ids: list[list[int]], **kwargs: Any) -> list[float]
     return [sum(t < 10 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def grpo_config(mode: str, steps: int, out: Path, server_url: str | None = None) -> Any:
+def grpo_config(mode: str, steps: int, out: Path, server_url: str | None = None, fsdp: bool = False) -> Any:
+    """The run's TRL config; ``fsdp``: accelerate's FSDP2 plugin (each trainer rank holds a shard)."""
     from trl import GRPOConfig
 
+    sharded = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}} if fsdp else {}
     return GRPOConfig(output_dir=str(out), max_steps=steps, learning_rate=3e-2, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=8, temperature=1.0, beta=0.0, logging_steps=1,
                       report_to=[], save_strategy="no", bf16=False, use_cpu=True, seed=0, disable_tqdm=True,
                       use_vllm=True, vllm_mode=mode, vllm_server_base_url=server_url, vllm_max_model_length=64,
-                      vllm_server_timeout=60.0, dataloader_num_workers=0)
+                      vllm_server_timeout=60.0, dataloader_num_workers=0, **sharded)
 
 
 def dataset(n: int = 64) -> Any:
@@ -117,14 +119,38 @@ def engine_holds(generation: Any, model: Any, version: int) -> bool:
     return True
 
 
+def trainer_weights(generation: Any) -> Any:
+    """A model holding the trainer's weights, on the rank that talks to the engine (``None`` on
+    the others). An FSDP2 trainer's shards are gathered into a copy here, for this check only (a
+    collective: every rank) — aiosync's sync itself gathers nothing."""
+    from torch.distributed.tensor import DTensor
+
+    model = generation.model
+    main = generation.accelerator.is_main_process
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model if main else None
+    with torch.no_grad():
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    if not main:
+        return None
+    from transformers import LlamaForCausalLM
+
+    copy = LlamaForCausalLM(model.config).eval()
+    copy.load_state_dict(full)
+    return copy
+
+
 def checked_syncs(trainer: Any) -> list[bool]:
-    """After each of the trainer's syncs, whether the engine holds the trainer's weights."""
+    """After each of the trainer's syncs, whether the engine holds the trainer's weights
+    (checked on the rank that talks to the engine; every rank takes part)."""
     generation = trainer.vllm_generation
     sync, results = generation.sync_weights, []
 
     def sync_and_check() -> Any:
         record = sync()
-        results.append(engine_holds(generation, trainer.model, record.version))
+        model = trainer_weights(generation)
+        if model is not None:
+            results.append(engine_holds(generation, model, record.version))
         return record
 
     generation.sync_weights = sync_and_check
@@ -132,18 +158,21 @@ def checked_syncs(trainer: Any) -> list[bool]:
 
 
 def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, key_file: Path | None = None,
-          engine_kwargs: dict | None = None) -> dict:
-    """A GRPO run of ``steps`` steps synced by aiosync; the report (see the module docstring)."""
+          engine_kwargs: dict | None = None, fsdp: bool = False) -> dict:
+    """A GRPO run of ``steps`` steps synced by aiosync (this process: one trainer rank of any
+    number); the report (see the module docstring)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from aiosync.integrations.trl import AiosyncConfig, AiosyncGRPOTrainer
+    from aiosync.syncers.common.state_dicts import gathered_bytes
 
     model_dir = workdir / "model"
     model = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
     config = AiosyncConfig(key_file=None if key_file is None else str(key_file), timeout=120.0,
                            engine_kwargs=engine_kwargs or {})
     trainer = AiosyncGRPOTrainer(model=model, reward_funcs=small_numbers, args=grpo_config(mode, steps,
-                                 workdir / "out", server_url), train_dataset=dataset(),
+                                 workdir / "out", server_url, fsdp), train_dataset=dataset(),
                                  processing_class=AutoTokenizer.from_pretrained(str(model_dir)), aiosync=config)
     generation = trainer.vllm_generation
     checks = checked_syncs(trainer)
@@ -156,6 +185,7 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
         return out
 
     generation.generate = generate_and_record
+    gathered0 = gathered_bytes()
     try:
         trainer.train()
         history = generation.history
@@ -165,8 +195,8 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
         trainer.close_aiosync()
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     later = history[1:] or history  # the first sync (step 0) finds the weights of the bootstrap
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
     pauses = [r.pause_s for r in history]
+    main = generation.accelerator.is_main_process
     return {"mode": mode, "steps": steps, "syncs": len(history),
             "initial_mean_reward": round(sum(rewards[:2]) / len(rewards[:2]), 4),
             "final_mean_reward": round(sum(rewards[-2:]) / len(rewards[-2:]), 4),
@@ -176,10 +206,44 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
             "engine_elements_written": engine.get("elements"),
             "pause_s": {"mean": round(sum(pauses) / len(pauses), 5), "max": round(max(pauses), 5)},
             "sample_versions": sample_versions,
-            "engine_matches_trainer": bool(checks) and all(checks) and len(checks) == len(history)}
+            "engine_matches_trainer": (bool(checks) and all(checks) and len(checks) == len(history)) if main else None,
+            "versions": [r.version for r in history], "gathered_bytes": gathered_bytes() - gathered0}
 
 
-def run(mode: str, steps: int, workdir: Path) -> dict:
+#: Bound on a multi-process run (torchrun, its ranks' imports, the training).
+RANKS_TIMEOUT = 900.0
+
+
+def launch(processes: int, steps: int, workdir: Path, server_url: str, key_file: Path, fsdp: bool = False,
+           timeout: float = RANKS_TIMEOUT) -> list[dict]:
+    """Run the trainer as ``processes`` processes (torchrun, gloo on this host) against the server
+    at ``server_url``; every rank's report, rank 0's first. Bounded by ``timeout``: past it the
+    whole process group is killed and the error quotes the ranks' output."""
+    import signal
+    import subprocess
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", str(processes), __file__, "--worker", "--mode", "server",
+           "--steps", str(steps), "--workdir", str(workdir), "--server-url", server_url, "--key-file", str(key_file)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    log = workdir / "ranks.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd + (["--fsdp"] if fsdp else []), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            raise TimeoutError(f"the {processes} trainer processes did not finish within {timeout}s; their output "
+                               f"ends with:\n{log.read_text()[-4000:]}") from None
+    if code != 0:
+        raise RuntimeError(f"torchrun exited with {code}; the ranks' output ends with:\n{log.read_text()[-6000:]}")
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(processes)]
+
+
+def run(mode: str, steps: int, workdir: Path, processes: int = 1, fsdp: bool = False) -> dict:
     make_model(workdir / "model")
     if mode == "colocate":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -191,9 +255,21 @@ def run(mode: str, steps: int, workdir: Path) -> dict:
     server = ServerProcess(workdir / "model", key_file, workdir / "server.log")
     anyio.run(server.start)
     try:
-        return train(mode, steps, workdir, server_url=server.url, key_file=key_file)
+        if processes == 1:
+            return train(mode, steps, workdir, server_url=server.url, key_file=key_file)
+        ranks = launch(processes, steps, workdir, server.url, key_file, fsdp)
+        return {**ranks[0], "processes": processes, "fsdp": fsdp, "rank_versions": [r["versions"] for r in ranks],
+                "rank_sample_versions": [r["sample_versions"] for r in ranks],
+                "gathered_bytes": sum(r["gathered_bytes"] for r in ranks)}
     finally:
         anyio.run(server.stop)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One trainer rank under torchrun: trains, writes its report to ``workdir/rank<r>.json``."""
+    report = train("server", args.steps, args.workdir, server_url=args.server_url, key_file=args.key_file,
+                   fsdp=args.fsdp)
+    (args.workdir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -201,12 +277,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mode", choices=["colocate", "server"], default="colocate")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--processes", type=int, default=1, help="trainer processes (server mode; torchrun, gloo)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (accelerate's plugin): each rank holds a shard")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank, under torchrun
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--server-url", help=argparse.SUPPRESS)
+    parser.add_argument("--key-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the reward is compared between the first and the last steps)")
+    if args.worker:
+        return worker(args)
+    if args.processes < 1 or (args.processes > 1 and args.mode != "server") or (args.fsdp and args.processes < 2):
+        parser.error("--processes N > 1 needs --mode server; --fsdp needs --processes >= 2")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        report = {**run(args.mode, args.steps, Path(tmp)), "seconds": round(time.perf_counter() - t0, 1)}
+        report = {**run(args.mode, args.steps, Path(tmp), args.processes, args.fsdp),
+                  "seconds": round(time.perf_counter() - t0, 1)}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
