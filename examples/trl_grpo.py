@@ -63,12 +63,15 @@ def small_numbers(completion_ids: list[list[int]], **kwargs: Any) -> list[float]
     return [sum(t < 10 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def grpo_config(mode: str, steps: int, out: Path, server_url: str | None = None, fsdp: bool = False) -> Any:
-    """The run's TRL config; ``fsdp``: accelerate's FSDP2 plugin (each trainer rank holds a shard)."""
+def grpo_config(mode: str, steps: int, out: Path, server_url: str | None = None, fsdp: bool = False,
+                config_class: Any = None) -> Any:
+    """The run's TRL config; ``fsdp``: accelerate's FSDP2 plugin (each trainer rank holds a shard).
+    ``config_class``: another TRL trainer's config with the same fields (e.g. ``RLOOConfig``)."""
     from trl import GRPOConfig
 
+    config_class = config_class or GRPOConfig
     sharded = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}} if fsdp else {}
-    return GRPOConfig(output_dir=str(out), max_steps=steps, learning_rate=3e-2, per_device_train_batch_size=8,
+    return config_class(output_dir=str(out), max_steps=steps, learning_rate=3e-2, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=8, temperature=1.0, beta=0.0, logging_steps=1,
                       report_to=[], save_strategy="no", bf16=False, use_cpu=True, seed=0, disable_tqdm=True,
                       use_vllm=True, vllm_mode=mode, vllm_server_base_url=server_url, vllm_max_model_length=64,

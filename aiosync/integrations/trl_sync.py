@@ -50,9 +50,9 @@ class AiosyncConfig:
     ``vllm.LLM`` arguments in colocate mode (on a CPU e.g. ``{"kv_cache_memory_bytes": 64 << 20}``).
     ``key`` / ``key_file``: the key the ``vllm serve`` was started with (server mode; default:
     the environment's ``AIOSYNC_SERVER_KEY_FILE`` / ``AIOSYNC_SERVER_KEY``). ``timeout``: bound on
-    each sync and each engine or server call, in seconds (a trainer rank waits at most
-    ``2 × timeout + 30`` s for rank 0's outcome of a step). ``retries``: deliveries a sync may
-    repair (a restarted server is bootstrapped) before it raises.
+    each sync and each engine or server call, in seconds. ``rank_timeout``: with several trainer
+    processes, how long a rank waits for rank 0's outcome of a step (default ``2 × timeout + 30``).
+    ``retries``: deliveries a sync may repair (a restarted server is bootstrapped) before it raises.
     """
 
     weight_syncer: dict = field(default_factory=lambda: dict(PATCH))
@@ -62,6 +62,7 @@ class AiosyncConfig:
     key: str | None = None
     key_file: str | None = None
     timeout: float = 300.0
+    rank_timeout: float | None = None
     retries: int = 2
 
     def __post_init__(self) -> None:
@@ -69,14 +70,13 @@ class AiosyncConfig:
             raise ConfigError(f"AiosyncConfig: timeout must be positive seconds, got {self.timeout!r}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"AiosyncConfig: retries must be an int >= 0, got {self.retries!r}")
+        if self.rank_timeout is None:
+            object.__setattr__(self, "rank_timeout", 2 * self.timeout + 30.0)
+        elif not self.rank_timeout > 0:
+            raise ConfigError(f"AiosyncConfig: rank_timeout must be positive seconds, got {self.rank_timeout!r}")
         if "weight_transfer_config" in self.engine_kwargs:
             raise ConfigError("AiosyncConfig: engine_kwargs must not set weight_transfer_config (aiosync sets "
                               "{'backend': 'aiosync'})")
-
-    @property
-    def rank_timeout(self) -> float:
-        """How long a trainer rank waits for rank 0's outcome of a step."""
-        return 2 * self.timeout + 30.0
 
 
 @dataclass(frozen=True)
@@ -272,9 +272,15 @@ class Ranks:
         self.loop, self.config = loop, config
         self.group = WeightSyncGroup.init(backend="gloo", timeout=config.rank_timeout)
         self.rank, self.world = self.group.rank, self.group.world_size
+        self._transports: dict[tuple[int, int], Any] = {}
 
     def transport(self, peer: int, tag: int) -> Any:
-        return self.group.transport(peer, tag=tag)
+        """This rank's one channel to ``peer`` for ``tag`` (a receive cut short by a timeout stays
+        posted on it: the next receive takes that message)."""
+        key = (peer, tag)
+        if key not in self._transports:
+            self._transports[key] = self.group.transport(peer, tag=tag)
+        return self._transports[key]
 
     def share(self, outcome: Callable[[], Any], what: str) -> Any:
         """Rank 0 runs ``outcome()`` and sends what it returns (or the error it raised) to every
@@ -299,10 +305,10 @@ class Ranks:
                                      what=f"rank 0's outcome of {what}")
         except PeerTimeoutError as exc:
             raise PeerTimeoutError(f"trainer rank {self.rank}: rank 0 did not tell its outcome of {what} within "
-                                   f"{self.config.rank_timeout}s (2 x AiosyncConfig.timeout + 30): rank 0 hung or "
-                                   f"died ({exc})") from None
+                                   f"{self.config.rank_timeout}s (AiosyncConfig.rank_timeout): rank 0 hung or died "
+                                   f"({exc})") from None
         if message["error"] is not None:
-            raise ApplyError(f"trainer rank {self.rank}: rank 0's {what} failed: {message['error']}")
+            raise ApplyError(f"trainer rank {self.rank}: {what} failed on rank 0: {message['error']}")
         return message["value"]
 
 
