@@ -160,6 +160,22 @@ def checked_syncs(trainer: Any) -> list[bool]:
     return results
 
 
+def shard_report(generation: Any) -> dict:
+    """An FSDP2 trainer's rank: whether its parameters are shards (DTensors), the patches of its
+    own shard it built and their bytes, and (rank 0) the other ranks' bytes it relayed to the server."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for p in generation.model.parameters())
+    peer = getattr(generation.shard_rank, "peer", None)
+    if peer is not None:
+        return {"sharded": sharded, "shard_patches": peer.server.builds, "shard_patch_bytes": peer.server.patch_bytes}
+    shards = getattr(getattr(generation.bridge, "sync", None), "shards", None)
+    if shards is None:
+        return {"sharded": sharded}
+    return {"sharded": sharded, "shard_patches": shards.builds, "shard_patch_bytes": shards.patch_bytes,
+            "relayed_bytes": shards.relayed_bytes}
+
+
 def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, key_file: Path | None = None,
           engine_kwargs: dict | None = None, fsdp: bool = False) -> dict:
     """A GRPO run of ``steps`` steps synced by aiosync (this process: one trainer rank of any
@@ -194,6 +210,7 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
         history = generation.history
         engine = (generation.bridge.call(generation.bridge.model.engine_statistics)
                   if mode == "colocate" and hasattr(generation.bridge.model, "engine_statistics") else {})
+        shards = shard_report(generation)
     finally:
         trainer.close_aiosync()
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
@@ -210,11 +227,16 @@ def train(mode: str, steps: int, workdir: Path, server_url: str | None = None, k
             "pause_s": {"mean": round(sum(pauses) / len(pauses), 5), "max": round(max(pauses), 5)},
             "sample_versions": sample_versions,
             "engine_matches_trainer": (bool(checks) and all(checks) and len(checks) == len(history)) if main else None,
-            "versions": [r.version for r in history], "gathered_bytes": gathered_bytes() - gathered0}
+            "versions": [r.version for r in history], "gathered_bytes": gathered_bytes() - gathered0, **shards}
 
 
 #: Bound on a multi-process run (torchrun, its ranks' imports, the training).
 RANKS_TIMEOUT = 900.0
+
+
+def torchrun() -> str:
+    """The ``torchrun`` next to this Python."""
+    return os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def launch(processes: int, steps: int, workdir: Path, server_url: str, key_file: Path, fsdp: bool = False,
@@ -225,8 +247,7 @@ def launch(processes: int, steps: int, workdir: Path, server_url: str, key_file:
     import signal
     import subprocess
 
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", str(processes), __file__, "--worker", "--mode", "server",
+    cmd = [torchrun(), "--standalone", "--nproc-per-node", str(processes), __file__, "--worker", "--mode", "server",
            "--steps", str(steps), "--workdir", str(workdir), "--server-url", server_url, "--key-file", str(key_file)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -263,13 +284,37 @@ def run(mode: str, steps: int, workdir: Path, processes: int = 1, fsdp: bool = F
         ranks = launch(processes, steps, workdir, server.url, key_file, fsdp)
         return {**ranks[0], "processes": processes, "fsdp": fsdp, "rank_versions": [r["versions"] for r in ranks],
                 "rank_sample_versions": [r["sample_versions"] for r in ranks],
-                "gathered_bytes": sum(r["gathered_bytes"] for r in ranks)}
+                "gathered_bytes": sum(r["gathered_bytes"] for r in ranks),
+                "rank_sharded": [r["sharded"] for r in ranks],
+                "rank_shard_patch_bytes": [r.get("shard_patch_bytes") for r in ranks]}
     finally:
         anyio.run(server.stop)
 
 
+def cpu_fsdp2() -> None:
+    """accelerate turns its FSDP plugin on for GPU-like devices only (on a CPU it falls back to
+    DDP, silently); for this example on a CPU, the state the trainer's ``Accelerator`` makes is
+    made FSDP2 as on a GPU (its ``prepare`` then shards the model with ``fully_shard``)."""
+    if torch.cuda.is_available():
+        return
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def fsdp_on_cpu(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)  # (each call resets distributed_type)
+        plugin = fsdp_plugin or getattr(self, "fsdp_plugin", None)
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, plugin
+
+    AcceleratorState.__init__ = fsdp_on_cpu
+
+
 def worker(args: argparse.Namespace) -> None:
     """One trainer rank under torchrun: trains, writes its report to ``workdir/rank<r>.json``."""
+    if args.fsdp:
+        cpu_fsdp2()
     report = train("server", args.steps, args.workdir, server_url=args.server_url, key_file=args.key_file,
                    fsdp=args.fsdp)
     (args.workdir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report) + "\n")

@@ -24,8 +24,12 @@ trainer's logs get ``aiosync/*`` metrics (version, bytes and pause of the last s
 that generated the last batch). aiosync's coroutines run on an event loop of their own (a daemon
 thread); TRL's synchronous code waits on them, each wait bounded by ``AiosyncConfig.timeout``.
 
-Limits: one trainer process (``accelerator.num_processes == 1``), no PEFT, no vLLM sleep mode,
-no tensor parallelism in colocate mode. What a TRL minor release could break: the names this
+Several trainer processes (``torchrun`` / ``accelerate launch``, server mode): rank 0 talks to the
+server; the other ranks of a data-parallel trainer learn each sync's record and each batch's
+versions from it, those of an FSDP2 trainer send their own shards (:mod:`.trl_sync`).
+
+Limits: colocate mode runs one trainer process; no DeepSpeed ZeRO-3 or FSDP1, no PEFT, no vLLM
+sleep mode, no tensor parallelism in colocate mode. What a TRL minor release could break: the names this
 module relies on — ``VLLMGeneration`` imported by name into each trainer's module, its ``_init_vllm``
 / ``sync_weights`` / ``generate`` methods and ``mode``/``llm``/``vllm_client`` attributes, ``LLM``
 looked up in ``trl.generation.vllm_generation``, ``VLLMClient``'s constructor and its ``session``
@@ -179,6 +183,9 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         from ..engines.vllm_server import VLLMServer
 
         if self.accelerator.num_processes > 1:
+            if self._dist.fsdp_version != 2 and _sharded(self.model):
+                raise ConfigError("the model's parameters are DTensors (sharded) but accelerate does not run FSDP2: "
+                                  "let accelerate shard it (fsdp_config={'fsdp_version': 2}), or pass an unsharded model")
             self.ranks = Ranks(self.loop, self.aiosync)  # a collective: every rank
         main, server = self.accelerator.is_main_process, None
         if main:
@@ -222,15 +229,14 @@ class AiosyncVLLMGeneration(VLLMGeneration):
             return self.bridge.sync_weights()
         t0 = time.perf_counter()
         version = len(self.history) + 1
+        if version == 1 and (self.shard_rank is not None or isinstance(self.bridge, ShardedBridge)):
+            start = (self.shard_rank or self.bridge).start  # every rank's shard, before the first check point
+            self.ranks.share(lambda: start(self.model), "the bootstrap of the vLLM server from every rank's shard")
 
         def step() -> dict | None:
             if self.shard_rank is not None:
-                self.shard_rank.sync_weights(self.model)
-            if self.bridge is None:
-                return None
-            if isinstance(self.bridge, ShardedBridge):
-                self.bridge.start(self.model)
-            return record_dict(self.bridge.sync_weights())
+                self.shard_rank.sync_weights()
+            return None if self.bridge is None else record_dict(self.bridge.sync_weights())
 
         value = self.ranks.share(step, f"the sync of version {version} to the vLLM server")
         if self.bridge is not None:
@@ -284,6 +290,12 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         loop, self.loop, self.bridge, self.shard_rank = self.loop, None, None, None
         if loop is not None:
             loop.close()
+
+
+def _sharded(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 @contextlib.contextmanager

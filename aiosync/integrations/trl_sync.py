@@ -253,11 +253,15 @@ class ShardRank:
         self.loop, self.config, self.transport = loop, config, transport
         self.peer = None
 
-    def sync_weights(self, model: Any) -> None:
+    def start(self, model: Any) -> None:
+        """Serve rank 0's bootstrap of the engine from this rank's shard (once; before the first
+        check point, a :class:`ShardPeer` serves at any time)."""
         from ..coordination.shards import ShardPeer
 
         if self.peer is None:
             self.peer = self.loop.enter(ShardPeer(model, self.transport, timeout=self.config.timeout))
+
+    def sync_weights(self) -> None:
         self.loop.call(self.peer.step_done, what="this rank's check point (rank 0's sync of its version)",
                        timeout=self.config.rank_timeout)
 
