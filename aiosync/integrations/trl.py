@@ -154,7 +154,7 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         async def pause_s() -> float:
             return target.statistics().last_pause_s
 
-        self.bridge = Bridge(self.loop, self.aiosync, self.model, "vllm", target, pause_s)
+        self.bridge = Bridge(self.loop, self.aiosync, "vllm", target, pause_s, model=self.model)
         self.history = self.bridge.history
 
     def _recording(self, generate: Callable[..., Any]) -> Callable[..., Any]:
@@ -211,7 +211,7 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         self.accelerator.wait_for_everyone()
 
     def _start_bridge(self, server: Any, pause_s: Callable[[], Any]) -> None:
-        self.bridge = Bridge(self.loop, self.aiosync, self.model, "server", server, pause_s)
+        self.bridge = Bridge(self.loop, self.aiosync, "server", server, pause_s, model=self.model)
         self.history = self.bridge.history
 
     def _on_ranks(self, step: Callable[[], Any], what: str) -> Any:

@@ -147,24 +147,35 @@ class LoopThread:
 
 
 class Bridge:
-    """aiosync's synchronizer on ``loop``: ``model`` attached as the trainer, one engine
-    (``explorer_model``) as the explorer ``name``, bootstrapped here."""
+    """aiosync's synchronizer on ``loop``: the trainer's ``model`` attached as the trainer, one
+    engine (``explorer_model``) as the explorer ``name``, bootstrapped by :meth:`start` (here,
+    when ``model`` is given)."""
 
-    def __init__(self, loop: LoopThread, config: AiosyncConfig, model: Any, name: str, explorer_model: Any,
-                 pause_s: Callable[[], Any]) -> None:
+    def __init__(self, loop: LoopThread, config: AiosyncConfig, name: str, explorer_model: Any,
+                 pause_s: Callable[[], Any], model: Any = None) -> None:
         self.loop, self.config, self.name, self.model = loop, config, name, explorer_model
         self._pause_s = pause_s
         self.version = 0
         self.history: list[SyncRecord] = []
-        self._attach(model)
+        self.trainer: Any = None
+        if model is not None:
+            self.start(model)
 
-    def _attach(self, model: Any) -> None:
+    def start(self, model: Any) -> None:
+        """Attach the trainer's ``model`` and bootstrap the engine (once)."""
+        if self.trainer is None:
+            self.sync = self.loop.enter(self._synchronizer())
+            self.trainer = self.call(self._attach_trainer, model, what="attaching the trainer's model")
+            self.explorer = self.call(self.sync.attach_explorer, self.name, self.model,
+                                      what=f"bootstrapping the {self.name} engine (its first, full sync)")
+
+    def _synchronizer(self) -> Any:
         from ..coordination import Synchronizer
 
-        self.sync = self.loop.enter(Synchronizer(self.config.sync, self.config.weight_syncer))
-        self.trainer = self.call(self.sync.attach_trainer, model, what="attaching the trainer's model")
-        self.explorer = self.call(self.sync.attach_explorer, self.name, self.model,
-                                  what=f"bootstrapping the {self.name} engine (its first, full sync)")
+        return Synchronizer(self.config.sync, self.config.weight_syncer)
+
+    async def _attach_trainer(self, model: Any) -> Any:
+        return await self.sync.attach_trainer(model)
 
     def call(self, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
         return self.loop.call(fn, *args, what=what)
@@ -206,32 +217,20 @@ SHARDED_SYNC = {"method": "nccl", "style": "trainer_driven", "sync_weight_no_wai
 
 class ShardedBridge(Bridge):
     """Rank 0 of an FSDP2 trainer: the synchronizer, with the other ranks' shards through
-    ``peers`` (transports to them). Attached at the first sync (the trainer's model is sharded
-    by then: accelerate wraps it when training starts); each sync is one check point
-    (``step_done``) of every rank."""
+    ``peers`` (transports to them). Started at the first sync (the trainer's model is sharded
+    by then: accelerate wraps it when training starts), while every other rank serves the
+    bootstrap from its shard; each sync is one check point (``step_done``) of every rank."""
 
     def __init__(self, loop: LoopThread, config: AiosyncConfig, name: str, explorer_model: Any,
                  pause_s: Callable[[], Any], peers: list) -> None:
         self.peers = peers
-        self.trainer = None
-        self.loop, self.config, self.name, self.model, self._pause_s = loop, config, name, explorer_model, pause_s
-        self.version = 0
-        self.history = []
+        super().__init__(loop, config, name, explorer_model, pause_s)
 
-    def _attach(self, model: Any) -> None:
+    def _synchronizer(self) -> Any:
         from ..coordination import Synchronizer
 
         timeouts = {"sync_timeout": self.config.timeout, "delivery_timeout": self.config.timeout}
-        self.sync = self.loop.enter(Synchronizer({**self.config.sync, **SHARDED_SYNC, **timeouts},
-                                                 self.config.weight_syncer))
-        self.trainer = self.call(self._attach_trainer, model, what="attaching the trainer's shards (every "
-                                 "rank's layout)")
-        self.explorer = self.call(self.sync.attach_explorer, self.name, self.model,
-                                  what=f"bootstrapping the {self.name} engine from every rank's shard")
-
-    def start(self, model: Any) -> None:
-        if self.trainer is None:
-            self._attach(model)
+        return Synchronizer({**self.config.sync, **SHARDED_SYNC, **timeouts}, self.config.weight_syncer)
 
     async def _attach_trainer(self, model: Any) -> Any:
         return await self.sync.attach_trainer(model, shard_peers=self.peers)
