@@ -9,6 +9,12 @@ middleware and key; patches over HTTP, signed. After every sync the engine's gre
 
     python examples/trl_grpo.py --mode colocate --steps 8 --json colocate.json
     python examples/trl_grpo.py --mode server --steps 8 --json server.json
+    python examples/trl_grpo.py --mode server --processes 2 [--fsdp] --steps 8 --json ranks.json
+
+``--processes N`` (server mode): the trainer runs as N processes under torchrun (gloo on this
+host) — data parallel, or with ``--fsdp`` FSDP2 (accelerate's plugin; on a CPU, where accelerate
+falls back to DDP, its state is made FSDP2 here: :func:`cpu_fsdp2`) — and the check after each
+sync runs on rank 0 (under FSDP2 against a copy gathered for the check only).
 
 The report: ``mode``, ``steps``, ``syncs``, ``initial_mean_reward`` / ``final_mean_reward`` (TRL's
 logged reward, mean of the first / last two steps), ``bytes_per_sync`` (what the synchronizer sent
@@ -16,7 +22,12 @@ the engine per sync, mean over the syncs after the first; ``full_model_bytes`` f
 ``changed_elements_per_sync``, ``engine_elements_written`` (colocate: elements the engine wrote
 in place, bootstrap excluded), ``pause_s`` (the engine's pause per write: mean and max),
 ``sample_versions`` (the versions that generated each step's batch), ``engine_matches_trainer``,
-``seconds``.
+``seconds``; ``versions`` (the versions this process synced or learnt), ``gathered_bytes``
+(aiosync's count of shard bytes it gathered), ``sharded`` and, under FSDP2, ``shard_patches`` /
+``shard_patch_bytes`` (patches of its own shard a rank built) and ``relayed_bytes`` (rank 0: other
+ranks' bytes it passed on to the server). With ``--processes``: rank 0's report plus
+``processes``, ``fsdp``, ``rank_versions``, ``rank_sample_versions``, ``rank_sharded``,
+``rank_shard_patch_bytes`` (each rank's).
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@
   middleware and key; patches over HTTP, signed; after each sync the server's greedy outputs over
   HTTP equal those of the trainer's model. Stock TRL against the same server is the control: it
   cannot sync off CUDA.
+* **several trainer processes** (server mode, the same server): ``examples/trl_grpo.py`` as two
+  ranks under torchrun (gloo) — data parallel (rank 0 sends, rank 1 learns every version) and
+  FSDP2 (each rank sends its own shard's patch; nothing gathered); after each sync the server's
+  greedy outputs equal the trainer's weights, every rank records the versions of every batch.
+  Without aiosync's multi-rank support the ranks fail at start-up (ConfigError).
+* **RLOO**: ``AiosyncRLOOTrainer``, two steps, the server follows.
 
 The tiny fp32 Llama and its word-level tokenizer are those of ``examples/trl_grpo.py``. Skipped
 without TRL, vLLM or transformers.
@@ -215,10 +221,10 @@ def test_server_grpo_with_an_fsdp2_trainer_whose_ranks_send_their_own_shards(ser
 
 
 def test_rloo_server_mode_trains_two_steps_and_the_server_follows(server, model_dir, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
     from trl import RLOOConfig
 
     from aiosync.integrations.trl import AiosyncRLOOTrainer
-    from transformers import AutoTokenizer, LlamaForCausalLM
 
     process, key_file = server
     model = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype="float32")
