@@ -57,7 +57,7 @@ _EXPORTS = {
     "PatchChainError": "aiosync.errors",
     "PayloadError": "aiosync.errors", "PeerTimeoutError": "aiosync.errors",
     "StateMismatchError": "aiosync.errors", "StateTransitionError": "aiosync.errors",
-    "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
+    "TrainerRankLostError": "aiosync.errors", "TransportError": "aiosync.errors", "VersionError": "aiosync.errors",
     "WouldBlock": "aiosync.errors",
 }
 

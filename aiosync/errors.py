@@ -100,6 +100,17 @@ class ExplorerLostError(TransportError):
         self.reason = reason
 
 
+class TrainerRankLostError(TransportError):
+    """A rank of a sharded trainer is gone (its process died, its node was lost, or its channel
+    to the synchronizer's rank broke): a sharded trainer cannot go on without any of its ranks,
+    so the run ends with this error, naming ``rank``, instead of waiting on it. Restart the
+    trainer's ranks together (from their last checkpoint); the explorers keep their weights."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank  # kept when pickled (e.g. a Ray actor's error): Exception pickles __dict__
+
+
 class AuthenticationError(AiosyncError, PermissionError):
     """A request or answer was refused because it does not carry a valid signature of the key
     both sides share (none, a wrong key, an altered message, or a replay: ``reason`` says which,

@@ -94,11 +94,12 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
     async with Synchronizer({"style": "fixed"}, PATCH) as sync:
         trainer = await sync.attach_trainer(trainer_model)
         # A plain explorer and one sync first: what the trainer's side keeps exists before the baseline.
-        # Its tensors in the checkpoint's order (sorted, as the engine target lists them): the same
-        # receiver metadata, so the engine's explorer joins its fan-out lineage and the trainer keeps
-        # one snapshot, not a second one that this one-process measure would count as the target's.
+        # Its tensors in module order, the engine target's in the checkpoint's: receivers announce
+        # their keys sorted, so both send the same metadata, the engine's explorer joins this one's
+        # fan-out lineage and the trainer keeps one snapshot, not a second one that this
+        # one-process measure would count as the target's.
         reference = await sync.attach_explorer("reference", {k: v.detach().clone()
-                                                              for k, v in sorted(trainer_model.state_dict().items())})
+                                                              for k, v in trainer_model.state_dict().items()})
         await anyio.to_thread.run_sync(stepper.step)
         await trainer.sync_weight(1)
         assert await reference.sync_weight() == 1

@@ -47,6 +47,11 @@ the others running); the others carry on. The report adds ``late_joined`` (explo
 after the first step), ``killed``, ``survivors`` and ``survivor_max_gap_s`` (the longest a
 surviving explorer waited for a version the trainer had published, from its publish to the
 explorer holding it or a newer one); ``bit_exact`` is then about the survivors.
+
+With explorers in processes of their own and direct routes, every rank answers the explorers'
+fetches of a patch in one multicast round when several take it at once (the patch's bytes
+broadcast once over a group of that rank and those explorers): the report adds per rank
+``rank_multicast_rounds`` and ``rank_broadcast_bytes``.
 """
 
 from __future__ import annotations
@@ -184,6 +189,8 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
             cache = peer.server.cache  # direct: what it sent each explorer; relayed: its patches, once, to rank 0
             report["patch_bytes"] = peer.server.patch_bytes
             report["sent_bytes"] = cache.sent_patch_bytes if cache is not None else peer.server.patch_bytes
+            report["multicast_rounds"] = cache.multicast_rounds if cache is not None else 0
+            report["broadcast_bytes"] = group.multicast.statistics().bytes_broadcast
     report["seconds"] = time.perf_counter() - t0
     report["gathered"] = gathered_bytes() - gathered0
     # bit-exact, and nothing gathered: every rank hashes its own rows, every explorer the same rows
@@ -239,7 +246,9 @@ async def run_rank0(args, group, fsdp_group, model, train_step, names, config, w
     return {"builds": builds, "build_s": build_s, "held": shards.peak_bytes + held + shards.relayed_peak,
             "explorer_rows": [ex.slot.model.state_dict() for ex in explorers], "published": published,
             "late_joined": late_joined, "lost": lost, "relayed_bytes": shards.relayed_bytes,
-            "patch_bytes": shards.patch_bytes, "packet_bytes": fetcher.packet_bytes}
+            "patch_bytes": shards.patch_bytes, "packet_bytes": fetcher.packet_bytes,
+            "multicast_rounds": m["fanout"]["multicast_rounds"],
+            "broadcast_bytes": group.multicast.statistics().bytes_broadcast}
 
 
 def shard_routes(args, group, here: bool = True) -> ShardRoutes:
@@ -377,14 +386,19 @@ def routes_report(args, trainers: list[dict], explorers: list[dict]) -> dict:
     """Who sent what to the explorers: ``relayed_bytes`` (other ranks' bytes rank 0 sent on),
     per rank its patches (``rank_patch_bytes``: each encoded once) and what it sent
     (``rank_sent_bytes``: rank 0 the sync packets every explorer got from it; another rank the parts
-    every explorer fetched from it — or, relayed, its patches once, to rank 0)."""
+    every explorer fetched from it — or, relayed, its patches once, to rank 0), and per rank its
+    multicast rounds (``rank_multicast_rounds``: rank 0 its sync packets', another rank its
+    patches' — answered to several explorers' processes at once) and the bytes it broadcast in
+    them (``rank_broadcast_bytes``: sent once however many explorers took them)."""
     if args.mode == "gather":
         return {}
     rank0 = trainers[0]
     return {"routes": args.routes, "relayed_bytes": int(rank0["relayed_bytes"]),
             "rank_patch_bytes": [int(r["patch_bytes"]) for r in trainers],
             "rank_sent_bytes": [int(rank0["packet_bytes"] + sum(e["packet_bytes"] for e in explorers))]
-            + [int(r["sent_bytes"]) for r in trainers[1:]]}
+            + [int(r["sent_bytes"]) for r in trainers[1:]],
+            "rank_multicast_rounds": [int(r["multicast_rounds"]) for r in trainers],
+            "rank_broadcast_bytes": [int(r["broadcast_bytes"]) for r in trainers]}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -145,6 +145,8 @@ async def rejected(server: ServerProcess, key_file: Path, workdir: Path) -> int:
     async with VLLMServer(server.url, key_file=str(wrong), timeout=60) as impostor:
         from aiosync.engines.vllm_server_protocol import ServerCall
 
+        async with httpx.AsyncClient() as http:  # its own hello() would not believe the unsigned run id
+            impostor.server = (await http.get(server.url + "/aiosync/hello")).json()["server"]
         try:
             await impostor.call(ServerCall("init", 0, 0, config=PATCH))
         except AuthenticationError:

@@ -164,8 +164,10 @@ def _corruptions(patch):
             if not patch.delta_encoded:
                 cols = patch.cols.to(torch.int64).clone()
                 rows = patch.rows.to(torch.int64).clone()
-                assert patch.nnz_per_tensor[0] == 1 and patch.nnz_per_tensor[1] == 2  # the scalar, then 2
-                rows[2], cols[2] = rows[1], cols[1]  # a repeated position inside one tensor
+                nnz = patch.nnz_per_tensor.tolist()
+                i = next(i for i, n in enumerate(nnz) if n >= 2)  # a tensor with two changes
+                at = sum(nnz[:i])
+                rows[at + 1], cols[at + 1] = rows[at], cols[at]  # a repeated position inside one tensor
                 out.append(("repeated position", rep(patch, rows=rows, cols=cols)))
             out.append(("float indices", rep(patch, cols=patch.cols.to(torch.float32))))
         else:

@@ -10,12 +10,15 @@ them ahead.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import anyio
+import pytest
 import torch
 
 import aiosync
@@ -118,7 +121,7 @@ def test_a_fresh_process_with_an_empty_cache_syncs_before_its_kernels_are_compil
     kernels still compile (a bf16 compile takes ten seconds and more); nothing waited for it."""
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(ROOT), "AIOSYNC_COMPILE_IN_PROCESS": "1",
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", COLD], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["bit_exact"] and not out["kernels_ready"], out
@@ -146,3 +149,55 @@ def test_the_marker_says_what_the_cache_holds():
     path, stamp = warmup._marker()
     mark = json.loads(Path(path).read_text())
     assert 2 in mark["widths"] and mark["stamp"]["numba"] == stamp["numba"]
+
+
+READ_ONLY = textwrap.dedent('''
+    import json
+    from aiosync.syncers.kernels import flat, warmup
+    before = warmup._cached((1,), False)
+    warmup.warm_up((1,), ctx=False)
+    stats = flat.diff_encode_flat.stats
+    print(json.dumps({"locations": warmup.cache_locations(), "cached_before": before,
+                      "cached_after": warmup._cached((1,), False),
+                      "hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+''')
+
+
+def _read_only_copy(dst: Path) -> None:
+    """A copy of the package that nobody may write into (as a system-wide install)."""
+    shutil.copytree(ROOT / "aiosync", dst / "aiosync",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc", "*.json"))
+    for path in sorted(dst.rglob("*"), reverse=True):
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    dst.chmod(0o555)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read-only directories for root need Linux capabilities")
+def test_a_read_only_package_caches_its_kernels_in_the_users_cache(tmp_path):
+    """A package directory the process cannot write (an image's site-packages): numba's user-wide
+    cache takes the kernels, and the next process loads them from there instead of compiling."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # root writes anywhere, unless it gives up overriding file permissions
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: cannot make a directory read-only for this process")
+        prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+    pkg, cache = tmp_path / "site", tmp_path / "cache"
+    _read_only_copy(pkg)
+    env = {"PYTHONPATH": str(pkg), "XDG_CACHE_HOME": str(cache), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    try:
+        runs = []
+        for _ in range(2):
+            done = subprocess.run(prefix + [sys.executable, "-c", READ_ONLY], check=False, env=env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    finally:
+        for path in [pkg, *pkg.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+    first, second = runs
+    assert first["locations"] and all(Path(p).is_relative_to(cache) for p in first["locations"].values()), first
+    assert not first["cached_before"] and first["cached_after"] and first["misses"] > 0, first
+    assert second["cached_before"] and second["hits"] > 0 and second["misses"] == 0, second

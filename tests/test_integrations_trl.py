@@ -171,7 +171,7 @@ def test_a_trainer_with_the_wrong_key_is_refused(server, model_dir, tmp_path):
     process, _ = server
     wrong = tmp_path / "wrong"
     wrong.write_text(os.urandom(32).hex())
-    with pytest.raises(ApplyError, match="signature does not verify"):
+    with pytest.raises(ApplyError, match="did not sign its run id with this key"):
         build(AiosyncGRPOTrainer, "server", model_dir, tmp_path / "out", server_url=process.url,
               aiosync=AiosyncConfig(key_file=str(wrong), timeout=60.0))
 

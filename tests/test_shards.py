@@ -8,6 +8,8 @@ The full state's values are a pure function of the version, so every check is bi
 
 from __future__ import annotations
 
+import math
+
 import anyio
 import pytest
 import torch
@@ -16,7 +18,7 @@ from anyio import wait_all_tasks_blocked
 from aiosync.checkpoints import TensorSlice
 from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import ShardPeer
-from aiosync.errors import ApplyError, ConfigError, HandshakeError, PeerTimeoutError
+from aiosync.errors import ApplyError, ConfigError, HandshakeError, PeerTimeoutError, TrainerRankLostError
 from aiosync.messages import Shared, unshare
 from aiosync.syncers import PatchWeightSyncer
 from aiosync.syncers.patch.handshake import receiver_metadata
@@ -73,9 +75,9 @@ class Trainer:
     """One full state, rank 0's pieces, the other ranks' :class:`ShardPeer` s and their channels;
     ``faulty(payload)`` may drop what a rank sends to rank 0 (returns False to drop)."""
 
-    def __init__(self, faulty=None) -> None:
+    def __init__(self, faulty=None, buffer: float = 1) -> None:
         self.state = full(0)
-        self.pairs = [inproc_pair(max_buffer_size=1, timeout=10) for _ in BOUNDS[1:]]
+        self.pairs = [inproc_pair(max_buffer_size=buffer, timeout=10) for _ in BOUNDS[1:]]
         self.peers = []
         for rank, (_, peer_end) in enumerate(self.pairs, start=1):
             if faulty is not None:
@@ -306,6 +308,37 @@ async def test_a_rank_that_stalls_a_join_is_named():
                 tg.cancel_scope.cancel()
     assert "shard rank 1" in str(out["late"]) and "shard rank 1" in str(waited.value)
     assert "is it alive" not in str(out["late"])
+
+
+async def test_a_lost_rank_ends_the_trainer_with_an_error_naming_it():
+    """Issue 30: a shard rank that is gone (its process died: its end of the channel closed)
+    makes rank 0's step_done raise TrainerRankLostError naming it, at once — a sharded trainer
+    cannot go on without it (before: a bare EndOfStream from the channel, naming no rank)."""
+    t = Trainer(buffer=math.inf)  # rank 1 answers a conversation rank 0 gave up without blocking
+    t.gates = {v: anyio.Event() for v in (1, 2)}
+
+    async def dying_rank(peer: ShardPeer) -> None:  # rank 2 does step 1, then its process dies
+        with anyio.CancelScope() as scope:
+            async with peer:
+                await t.gates[1].wait()
+                await peer.step_done()
+                t.pairs[1][1].close()
+                scope.cancel()
+
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(t.run_peer, t.peers[0], 2)
+            tg.start_soon(dying_rank, t.peers[1])
+            with pytest.raises(TrainerRankLostError) as lost:
+                async with Synchronizer(NCCL, PATCH) as sync:
+                    trainer = await sync.attach_trainer(pieces(t.state, 0), param_names=list(t.state),
+                                                        shard_peers=[a for a, _ in t.pairs])
+                    await sync.attach_explorer("e0", rollout())
+                    for v in (1, 2):
+                        t.train_to(v)
+                        t.gates[v].set()
+                        await trainer.step_done()
+    assert lost.value.rank == 2 and "trainer rank 2 is gone" in str(lost.value)
 
 
 async def _serve(server: ShardServer, end) -> None:

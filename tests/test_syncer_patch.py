@@ -359,16 +359,16 @@ async def test_non_viewable_receiver_tensor_raises_at_init_naming_key():
     assert isinstance(res[1], ValueError) and "conv.weight" in str(res[1])
 
 
-async def test_metadata_handshake_carries_receiver_order_shapes_dtypes():
+async def test_metadata_handshake_carries_keys_in_canonical_order_shapes_dtypes():
     dst = OrderedDict([("b", torch.zeros(2, 3, dtype=torch.bfloat16)), ("a", torch.zeros((), dtype=torch.int64))])
     r = PatchWeightSyncer(recv_timeout=5)
     a, b = inproc_pair(timeout=10)
     task = asyncio.ensure_future(r.init_receiver(dst, b.recv, b.send))
     meta = await a.recv()
     assert isinstance(meta, ReceiverMetadata)
-    assert meta.ordered_keys == ["b", "a"]
-    assert [tuple(s) for s in meta.original_shapes] == [(2, 3), ()]
-    assert meta.dtypes == ["bfloat16", "int64"]
+    assert meta.ordered_keys == ["a", "b"]  # sorted by name, whatever the state dict's order
+    assert [tuple(s) for s in meta.original_shapes] == [(), (2, 3)]
+    assert meta.dtypes == ["int64", "bfloat16"]
     await a.send(SenderHello(ok=True, synced_ordinals=[0, 1]))
     await task
 

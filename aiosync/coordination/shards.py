@@ -48,7 +48,8 @@ from typing import Any
 import anyio
 import torch
 
-from ..errors import ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutError, TransportError
+from ..errors import (ClosedResourceError, ConfigError, EndOfStream, PeerTimeoutError, TrainerRankLostError,
+                      TransportError)
 from ..syncers.base import recv_with_timeout
 from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
@@ -144,7 +145,7 @@ class ShardPeer:
 
     async def _serve_route(self, route: Transport) -> None:
         try:
-            await self.server.cache.serve(route.send, route.recv)
+            await self.server.cache.serve(route.send, route.recv, transport=route)
         finally:
             self._routes_open -= 1
             self._notify()
@@ -169,8 +170,8 @@ class ShardPeer:
 
     def _check(self) -> None:
         if self.error is not None:
-            raise TransportError(f"shard rank {self.server.rank} lost the synchronizer's rank: {self.error}") \
-                from self.error
+            raise TrainerRankLostError(f"trainer rank 0 (the synchronizer's rank) is gone for shard rank "
+                                       f"{self.server.rank}: {self.error}", rank=0) from self.error
 
     async def __aexit__(self, *exc: Any) -> None:
         try:
@@ -232,6 +233,8 @@ class ShardPeers:
     transports: list
     links: list = field(default_factory=list)
     timeout: float = 600.0
+    #: Set when a rank is gone (its link's ``gone``): shared by every link.
+    lost: anyio.Event = field(default_factory=anyio.Event)
 
     async def connect(self, names: list[str]) -> None:
         """Every rank's layout (:class:`ShardHello`), bounded by ``timeout``."""
@@ -243,13 +246,26 @@ class ShardPeers:
                 diff = sorted(set(names) ^ set(hello.names))[:3]
                 raise ConfigError(f"shard rank {hello.rank} syncs other keys than this rank (e.g. {diff}): every rank "
                                   "of the trainer must sync the same keys")
-            self.links.append(ShardLink(hello.rank, t.send, t.recv, hello.pieces))
+            self.links.append(ShardLink(hello.rank, t.send, t.recv, hello.pieces, lost=self.lost))
+
+    def check(self) -> None:
+        """Raise :class:`~aiosync.errors.TrainerRankLostError` for the first rank that is gone."""
+        for link in self.links:
+            if link.gone is not None:
+                raise link.gone
 
     async def go(self, step: int) -> None:
-        """Rank 0's check point of ``step`` is over: every rank trains on."""
+        """Rank 0's check point of ``step`` is over: every rank trains on. Then a rank that is
+        gone (or whose link fails now) raises :class:`~aiosync.errors.TrainerRankLostError`
+        naming it: the trainer cannot go on without it."""
         for link in self.links:
-            async with link.lock:
-                await link.send(ShardGo(step))
+            try:
+                async with link.lock:
+                    with link.talking(f"after step {step}"):
+                        await link.send(ShardGo(step))
+            except TrainerRankLostError:
+                continue  # the live ranks are told first
+        self.check()
 
     @contextlib.asynccontextmanager
     async def serving(self, step: int) -> AsyncIterator[None]:

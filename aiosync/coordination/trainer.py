@@ -286,7 +286,7 @@ class TrainerHandle:
         try:
             synced = self.need_sync()
             if synced:
-                await self.sync_weight()
+                await self._unless_a_rank_is_lost(self.sync_weight)
         except anyio.get_cancelled_exc_class():
             if self.version == published:
                 self.step -= 1
@@ -298,6 +298,25 @@ class TrainerHandle:
             raise
         await self._ranks_go()
         return synced
+
+    async def _unless_a_rank_is_lost(self, sync: Any) -> None:
+        """Run ``sync()``; a sharded trainer's rank that is gone meanwhile (its channel failed)
+        ends it at once with :class:`~aiosync.errors.TrainerRankLostError` naming the rank — its
+        deliveries would otherwise be repaired, each failing, until their bounds."""
+        peers = self.hub.shard_peers
+        if peers is None:
+            await sync()
+            return
+        peers.check()
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                await peers.lost.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            await sync()
+            tg.cancel_scope.cancel()
+        peers.check()
 
     async def _ranks_go(self) -> None:
         if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on

@@ -17,7 +17,11 @@ recorded before a restart (``other_server``), or a counter not above the client'
 (``replayed``) are each an :class:`~aiosync.errors.AuthenticationError` naming the reason, and
 nothing is done. Answers are signed too (``x-aiosync-mac`` = HMAC(key, "aiosync-answer-v1" LF
 the request's mac LF status LF body)): a trainer believes what a server says it holds only if
-the server holds the key.
+the server holds the key — a refusal as ``other_server`` included. So is the server's run id,
+where it travels outside a signed answer (``GET /aiosync/hello``, a completion's
+``x-aiosync-server``): the client sends a fresh ``x-aiosync-nonce`` and believes the run only
+with ``x-aiosync-server-mac`` (:func:`run_mac`), so a forged or replayed run id cannot make it
+think the server restarted.
 
 What it does not do: it does not encrypt (weights and prompts travel in clear: put TLS or a
 private network in front), and it guards only the routes that change weights or their label
@@ -42,6 +46,11 @@ KEY_FILE_ENV = "AIOSYNC_SERVER_KEY_FILE"
 #: The shortest key accepted.
 MIN_KEY_BYTES = 16
 SERVER, CLIENT, SEQ, MAC = "x-aiosync-server", "x-aiosync-client", "x-aiosync-seq", "x-aiosync-mac"
+#: A client's fresh random value on a hello or a completion, and the server's signature of its
+#: run id (and the answer's versions) over it: ``x-aiosync-server-mac`` = HMAC(key,
+#: "aiosync-run-v1" LF nonce LF run LF versions).
+NONCE, RUN_MAC = "x-aiosync-nonce", "x-aiosync-server-mac"
+_MAX_NONCE = 128
 _MAKE_KEY = "python -c 'import secrets; print(secrets.token_hex(32))' > key"
 
 
@@ -90,6 +99,12 @@ def answer_mac(key: bytes, request: str, status: int, body: bytes) -> str:
     return mac.hexdigest()
 
 
+def run_mac(key: bytes, nonce: str, server: str, versions: str = "") -> str:
+    """The signature of a server run id (and the versions header beside it) sent in answer to
+    a request that carried ``nonce`` (hex)."""
+    return hmac.new(key, f"aiosync-run-v1\n{nonce}\n{server}\n{versions}".encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass
 class Signer:
     """The trainer's side: signs each request with the next counter, checks each answer."""
@@ -103,6 +118,19 @@ class Signer:
         self.seq += 1
         return {SERVER: server, CLIENT: self.client, SEQ: str(self.seq),
                 MAC: request_mac(self.key, method, path, server, self.client, self.seq, body)}
+
+    def nonce(self) -> dict[str, str]:
+        """The header asking a server to sign its run id in the answer (:meth:`signed_run`)."""
+        return {NONCE: secrets.token_hex(16)}
+
+    def signed_run(self, request: Mapping[str, str], headers: Mapping[str, str], versions: str = "") -> str | None:
+        """The run id ``headers`` name (``x-aiosync-server``), if the server signed it in answer
+        to ``request`` (:meth:`nonce`) with this key; ``None`` for a missing or forged one."""
+        server = headers.get(SERVER)
+        if not server:
+            return None
+        want = run_mac(self.key, request[NONCE], server, versions)
+        return server if hmac.compare_digest(headers.get(RUN_MAC, ""), want) else None
 
     def check_answer(self, request: Mapping[str, str], status: int, body: bytes, headers: Mapping[str, str]) -> None:
         """Raise :class:`~aiosync.errors.AuthenticationError` unless the answer is signed with this key."""
@@ -162,6 +190,15 @@ class Verifier:
                                      "restart it")
         self._last[client] = n
         return client
+
+    def sign_run(self, request: Mapping[str, str], versions: str = "") -> dict[str, str]:
+        """The headers naming this run, signed over the request's nonce (``x-aiosync-nonce``,
+        when it has one: :meth:`Signer.nonce`) and ``versions``; ``headers`` are in lower case."""
+        out = {SERVER: self.server}
+        nonce = request.get(NONCE, "")
+        if self.key and nonce and len(nonce) <= _MAX_NONCE:
+            out[RUN_MAC] = run_mac(self.key, nonce, self.server, versions)
+        return out
 
     def sign_answer(self, request: Mapping[str, str], status: int, body: bytes) -> dict[str, str]:
         """The header that signs the answer to a request that passed :meth:`check`."""

@@ -18,7 +18,8 @@ transaction. Several servers take the same encoded patch (a fan-out shares it).
 A server that restarted comes back holding the weights it was started from, under a new run
 id. The client notices at its next contact — a signed call refused as meant for the old run,
 a completion whose answer names the new run (``x-aiosync-server``), ``hello()``, or, after the
-server could not be reached, the check it makes before its next request — and tells the
+server could not be reached, the check it makes before its next request; each only signed with
+the key over a nonce of this client's (a forged run id is ignored) — and tells the
 explorer (:class:`~aiosync.syncers.base.LosesWeights`): from then on the explorer reports no
 version, its leases wait, and it asks for a bootstrap, which the synchronizer delivers at
 once. Every request is bounded by ``timeout``.
@@ -167,12 +168,20 @@ class VLLMServer:
                                  f"{type(exc).__name__}: {exc}") from None
 
     async def hello(self) -> dict:
-        """Ask the server which run it is (a restart makes a new one); returns its answer."""
-        response = await self._request("GET", HELLO)
+        """Ask the server which run it is (a restart makes a new one); returns its answer. The
+        run id must come signed with the key over this request's nonce
+        (:class:`~aiosync.errors.AuthenticationError` otherwise: nothing is believed)."""
+        asked = self.signer.nonce()
+        response = await self._request("GET", HELLO, headers=asked)
         if response.status_code == 404:
             raise ConfigError(f"{self.url} has no aiosync routes: start vllm serve with --middleware "
                               "aiosync.engines.vllm_server_app.AiosyncApp (and the aiosync weight-transfer backend)")
         info = self._json(response, HELLO)
+        if self.signer.signed_run(asked, response.headers) != info.get("server"):
+            self._stats["refused"] += 1
+            raise AuthenticationError(f"the vLLM server at {self.url} did not sign its run id with this key (a server "
+                                      "started with another key or none, or an answer altered on the way): ignored",
+                                      reason="bad_signature")
         self._recheck = False
         if self.server is not None and info["server"] != self.server:
             self._restarted(info["server"], "GET /aiosync/hello names a new run")
@@ -217,7 +226,7 @@ class VLLMServer:
             data = response.content
             self._stats["bytes_received"] += len(data)
             if response.status_code == 401:
-                await self._refused(response)
+                await self._refused(response, headers)
             if response.status_code != 200:
                 raise TransportError(f"the vLLM server at {self.url} answered {CALL} with {response.status_code}: "
                                      f"{response.text[:300]}")
@@ -230,13 +239,14 @@ class VLLMServer:
             self._state = answer.server
         return answer
 
-    async def _refused(self, response: Any) -> None:
+    async def _refused(self, response: Any, request: Mapping[str, str]) -> None:
         try:
             info = response.json()
         except ValueError:
             info = {}
         self._stats["refused"] += 1
-        if info.get("reason") == "other_server":  # the server restarted since we last asked
+        if info.get("reason") == "other_server":  # the server restarted since we last asked, if it says so signed
+            self.signer.check_answer(request, 401, response.content, response.headers)
             self._restarted(info.get("server"), "it refused a call signed for its earlier run")
             raise ApplyError(f"the vLLM server at {self.url} restarted: it holds the weights it was started from "
                              "(the next sync bootstraps it)")
@@ -256,14 +266,19 @@ class VLLMServer:
             body["model"] = await self._model()
         if self._recheck:
             await self.hello()
-        response = await self._request("POST", path, json=body)
-        run = response.headers.get(SERVER)
+        asked = self.signer.nonce()
+        response = await self._request("POST", path, json=body, headers=asked)
+        versions = response.headers.get(VERSIONS_HEADER, "")
+        named = response.headers.get(SERVER)
+        run = self.signer.signed_run(asked, response.headers, versions)  # a forged or unsigned run id: ignored
+        if named is not None and run is None:
+            self._last_error = f"an answer of {path} names a run not signed with this key (ignored)"
         if run is not None and self.server is not None and run != self.server:
             self._restarted(run, f"an answer of {path} names a new run")
         if response.status_code != 200:
             raise TransportError(f"the vLLM server at {self.url} answered {path} with {response.status_code}: "
                                  f"{response.text[:300]}")
-        return response.json(), parse_versions(response.headers.get(VERSIONS_HEADER))
+        return response.json(), parse_versions(versions)
 
     async def _model(self) -> str:
         if not hasattr(self, "_model_id"):

@@ -28,11 +28,17 @@ and attach it from the trainer's process as an explorer's model,
   that is when its first chunk goes out; vLLM's own per-token spans are on
   ``/inference/v1/generate`` (``--enable-scale-out``). ``none`` stands for the weights the
   server was started with. ``x-aiosync-server`` names the server's run: a client that sees a
-  new one knows the server restarted (its weights are the start-up ones).
+  new one knows the server restarted (its weights are the start-up ones). A request carrying
+  ``x-aiosync-nonce`` gets the run and the versions signed over it (``x-aiosync-server-mac``,
+  :func:`~aiosync.engines.auth.run_mac`), and so does ``GET /aiosync/hello``: the trainer's
+  client believes only a run id signed with the key.
 
-It needs one API server process (``--api-server-count 1``, the default) and the server's
-lifespan (uvicorn's default): the receivers' conversations run in a task group that lives as
-long as the server.
+It needs one API server process (``--api-server-count 1``, the default with one engine) and
+the server's lifespan (uvicorn's default): the receivers' conversations run in a task group
+that lives as long as the server. Each API server process builds its own middleware, so with
+several the run id, the replay counters and a conversation's staged update would live in one
+process while the next request of the same update lands in another (vLLM hands connections to
+the least loaded process): the middleware refuses to start then (:data:`SEVERAL_API_SERVERS`).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import anyio
 from ..aio import run_sync
 from ..errors import ApplyError, AuthenticationError, PayloadError
 from ..syncers.base import StagedWrite, WeightSyncer
-from .auth import SERVER, Verifier, load_key
+from .auth import Verifier, load_key
 from .vllm_server_protocol import (CALL, HELLO, OPS, STATE, VERSIONS_HEADER, ServerAnswer, ServerCall,
                                    error_fields, from_bytes, in_thread_if_large, to_bytes)
 
@@ -67,6 +73,22 @@ STAMPED = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: Bound on one step of a receiver's work and on a stamp's wait for a write in progress (seconds).
 STEP_TIMEOUT = 600.0
 _NOTHING = object()
+#: Why the middleware does not start under several API server processes.
+SEVERAL_API_SERVERS = (
+    "aiosync: this vllm serve runs {count} API server processes (--api-server-count {count}, or its default "
+    "with --data-parallel-size > 1); aiosync's middleware keeps the server's run id, replay protection and "
+    "staged updates in its process, and the requests of one update would land in different ones. Start it "
+    "with --api-server-count 1 (for more HTTP throughput, run several servers and attach each as an explorer)")
+
+
+def api_server_count(app: Any) -> int:
+    """How many API server processes the ``vllm serve`` of ``app`` runs, this one among them
+    (vLLM gives each its ``parallel_config._api_process_count``, in ``app.state.vllm_config``;
+    a single-process entry point such as ``python -m vllm.entrypoints.openai.api_server`` runs
+    one whatever ``--api-server-count`` says); 1 when it does not say."""
+    config = getattr(getattr(app, "state", None), "vllm_config", None)
+    count = getattr(getattr(config, "parallel_config", None), "_api_process_count", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 1 else 1
 
 
 class Conversation:
@@ -299,6 +321,11 @@ async def _respond(send: Callable[[dict], Awaitable[None]], status: int, body: b
     await send({"type": "http.response.body", "body": body})
 
 
+def _headers(scope: dict) -> dict[str, str]:
+    """A request's headers, names in lower case."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
 def _json(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
@@ -321,6 +348,13 @@ class AiosyncApp:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "lifespan":
+            count = api_server_count(scope.get("app"))
+            if count > 1:  # refused before the server takes a request
+                message = SEVERAL_API_SERVERS.format(count=count)
+                log.error("%s", message)
+                if (await receive())["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.failed", "message": message})
+                return
             async with anyio.create_task_group() as tg:  # the receivers' conversations live as long as the server
                 self._tg = tg
                 try:
@@ -350,15 +384,17 @@ class AiosyncApp:
 
     async def _authenticate(self, scope: dict, send: Any, path: str, body: bytes) -> dict[str, str] | None:
         """The request's headers if it passes; otherwise answers 401 and returns ``None``."""
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers = _headers(scope)
         method = scope["method"]
         try:  # the body is hashed (in a worker thread when large), then the counter checked here, in order
             expected = await in_thread_if_large(self.verifier.expected, body, method, path, headers, body)
             self.verifier.check(method, path, headers, expected)
         except AuthenticationError as exc:
             log.warning("aiosync: %s", exc)
-            await _respond(send, 401, _json({"error": str(exc), "reason": exc.reason, "server": self.verifier.server}),
-                           "application/json")
+            body = _json({"error": str(exc), "reason": exc.reason, "server": self.verifier.server})
+            # a request signed with the key (another run's, or a replay) gets a signed refusal
+            signed = self.verifier.sign_answer(headers, 401, body) if exc.reason in ("other_server", "replayed") else {}
+            await _respond(send, 401, body, "application/json", signed)
             return None
         return headers
 
@@ -367,7 +403,8 @@ class AiosyncApp:
         if method == "GET" and path in (HELLO, STATE):
             info = {"server": self.verifier.server, "keyed": self.verifier.key is not None,
                     "refused": dict(self.verifier.refused)}
-            await _respond(send, 200, _json(self._state() if path == STATE else info), "application/json")
+            signed = self.verifier.sign_run(_headers(scope)) if path == HELLO else {}
+            await _respond(send, 200, _json(self._state() if path == STATE else info), "application/json", signed)
             return
         if method != "POST" or path != CALL:
             await _respond(send, 404, _json({"error": f"no aiosync route {method} {path}"}), "application/json")
@@ -419,8 +456,9 @@ class AiosyncApp:
             if message["type"] == "http.response.start":
                 versions = [version] if self.end is None else await self.end.versions_since(version, count)
                 value = ",".join("none" if v is None else str(v) for v in versions)
+                run = self.verifier.sign_run(_headers(scope), value)
                 message = {**message, "headers": [*message.get("headers", []), (VERSIONS_HEADER.encode(), value.encode()),
-                                                  (SERVER.encode(), self.verifier.server.encode())]}
+                                                  *((k.encode(), v.encode()) for k, v in run.items())]}
             await send(message)
 
         await self.app(scope, receive, stamped)

@@ -271,6 +271,7 @@ class RayChannel(Transport):
         self._tx, self._rx = anyio.create_memory_object_stream(math.inf)
         self._send_lock = anyio.Lock()
         self._closed = anyio.Event()
+        self._broken = anyio.Event()
         self._seq = 0
         self._expected = 0
         self._early: dict[int, tuple] = {}
@@ -308,6 +309,7 @@ class RayChannel(Transport):
             self.broken = err
             log.warning("aiosync: %s", err)
             self._tx.close()
+            self._broken.set()
         return err
 
     def abort(self, reason: str) -> None:
@@ -334,6 +336,13 @@ class RayChannel(Transport):
         while self._expected in self._early:
             self._tx.send_nowait(self._early.pop(self._expected))
             self._expected += 1
+
+    async def wait_broken(self) -> TransportError:
+        """Wait until the channel breaks (the peer actor died or was restarted: Ray's signal,
+        see *Liveness*; or :meth:`abort`) and return why (:attr:`broken`). Waits forever on a
+        channel that is only closed: bound it (or cancel it) yourself."""
+        await self._broken.wait()
+        return self.broken
 
     async def wait_closed(self) -> str:
         """Wait until this end is closed (what :meth:`RayEndpoint.aiosync_watch` serves)."""

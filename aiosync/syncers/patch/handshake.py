@@ -1,9 +1,9 @@
 """The patch-mode handshake (W7, W8): the receiver's metadata, the sender's answer, their
 structural checks, and the sender's plan of what it will patch.
 
-``ReceiverMetadata`` (receiver → sender) names the receiver's keys in order, their shapes,
-dtypes, tied keys (aliases), whether each can be written through a 2-D view, and a random
-session id; ``SenderHello`` (sender → receiver) accepts or refuses, says whether a bootstrap
+``ReceiverMetadata`` (receiver → sender) names the receiver's keys (sorted by name: the
+ordinals patches use), their shapes, dtypes, tied keys (aliases), whether each can be written
+through a 2-D view, and a random session id; ``SenderHello`` (sender → receiver) accepts or refuses, says whether a bootstrap
 follows and which ordinals patches will touch. Everything malformed is a
 :class:`~aiosync.errors.HandshakeError` naming what is wrong. See docs/wire-format.md.
 """
@@ -41,8 +41,14 @@ def metadata_dtype(name: Any) -> torch.dtype:
 
 
 def receiver_metadata(state_dict: Mapping[str, torch.Tensor], session: int) -> ReceiverMetadata:
-    """What a receiver tells the sender about ``state_dict`` (read only)."""
-    keys = list(state_dict.keys())
+    """What a receiver tells the sender about ``state_dict`` (read only), its keys in canonical
+    order — sorted by name, whatever order ``state_dict`` iterates in (a vLLM engine's
+    checkpoint order, a module's registration order): patches name tensors by their ordinal in
+    this list, so receivers holding the same tensors announce the same metadata and a
+    synchronizer's fan-out serves them from one snapshot and one encode per version. Tied keys
+    alias the first of their group in that order; memory-sharing pairs are listed sorted."""
+    keys = sorted(state_dict.keys())
+    state_dict = {k: state_dict[k] for k in keys}
     viewable = []
     for k in keys:
         try:
@@ -53,7 +59,7 @@ def receiver_metadata(state_dict: Mapping[str, torch.Tensor], session: int) -> R
     return ReceiverMetadata(
         ordered_keys=keys, original_shapes=[tuple(state_dict[k].shape) for k in keys],
         dtypes=[dtype_name(state_dict[k].dtype) for k in keys], aliases=alias_groups(state_dict),
-        viewable=viewable, session=session, shares=shared_memory(state_dict),
+        viewable=viewable, session=session, shares=sorted(shared_memory(state_dict), key=lambda p: (p[0], p[1])),
     )
 
 

@@ -42,7 +42,8 @@ import anyio
 import torch
 
 from ...aio import hold_all
-from ...errors import ConfigError, HandshakeError, PatchChainError, PayloadError
+from ...errors import (ClosedResourceError, ConfigError, EndOfStream, HandshakeError, PatchChainError, PayloadError,
+                       TrainerRankLostError, TransportError)
 from ...messages import RecvFn, SendFn, Shared, payload_nbytes
 from ..base import SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import check_version
@@ -218,6 +219,35 @@ class ShardLink:
     #: What this rank is waited for now (``None``: nothing): a delivery that outlives its bound
     #: names it — the rank stalled, not the explorer.
     waiting: str | None = None
+    #: Why this rank is gone (its channel failed: the rank died), or ``None``; ``lost`` is set
+    #: then (one event shared by every link of the trainer, :meth:`gone_now` sets both).
+    gone: TrainerRankLostError | None = None
+    lost: anyio.Event = field(default_factory=anyio.Event)
+
+    def gone_now(self, exc: BaseException, what: str) -> TrainerRankLostError:
+        """This rank's channel failed (``exc``) during ``what``: the rank is gone for good."""
+        if self.gone is None:
+            self.gone = TrainerRankLostError(
+                f"trainer rank {self.rank} is gone: its shard channel failed {what} ({type(exc).__name__}: {exc}); a "
+                "sharded trainer cannot go on without one of its ranks: restart the trainer's ranks together",
+                rank=self.rank)
+            self.gone.__cause__ = exc
+            self.lost.set()
+        return self.gone
+
+    @contextlib.contextmanager
+    def talking(self, what: str) -> Iterator[None]:
+        """A conversation with this rank: one that is gone raises its :class:`TrainerRankLostError`
+        at once, and a channel that fails now makes it gone."""
+        if self.gone is not None:
+            raise self.gone
+        try:
+            yield
+        except _GONE as exc:
+            raise self.gone_now(exc, what) from exc
+
+
+_GONE = (EndOfStream, TransportError, ClosedResourceError)
 
 
 @dataclass(eq=False)
@@ -291,13 +321,15 @@ class ShardSet:
                     break
             link.abandoned = None
         drops, link.drops = link.drops, []
-        with self._waiting_for(link, f"to take a command for step {self.boundary()}"):
+        with self._waiting_for(link, f"to take a command for step {self.boundary()}"), \
+                link.talking(f"taking a command for step {self.boundary()}"):
             for sender in drops:
                 await link.send(ShardDrop(sender))
             await link.send(cmd)
 
     async def reply(self, link: ShardLink, what: str) -> Any:
-        with self._waiting_for(link, f"for its {what} of step {self.boundary()}"):
+        with self._waiting_for(link, f"for its {what} of step {self.boundary()}"), \
+                link.talking(f"sending its {what} of step {self.boundary()}"):
             return await recv_with_timeout(link.recv, self.timeout, f"shard rank {link.rank}'s {what}")
 
     @contextlib.contextmanager

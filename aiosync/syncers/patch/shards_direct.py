@@ -27,6 +27,7 @@ synchronizer repairs that explorer as for any failed delivery.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Mapping
@@ -52,11 +53,22 @@ class PartCache:
 
     Counters: ``patch_bytes`` (patches put, one per version and lineage), ``sent_patch_bytes``
     (patch bytes served, every explorer's fetch counted), ``sent_bytes`` (everything served,
-    bootstrap buckets too), ``fetches`` and ``misses`` (fetches of a part it did not hold)."""
+    bootstrap buckets too), ``fetches`` and ``misses`` (fetches of a part it did not hold).
+
+    **Multicast per rank.** Routes whose transports share a multicast router (the transports of
+    one :class:`~aiosync.transports.distributed.WeightSyncGroup`: explorers in processes of that
+    group) are answered together: the first fetch of a patch waits, at most ``round_wait``
+    seconds, for the other such routes' fetches of it, then all of them are answered in one
+    multicast round — each explorer its own header, the patch's bytes broadcast once over a
+    group of this rank and those explorers (:mod:`aiosync.transports.distributed.multicast`;
+    a member that fails falls back to point to point there). A fetch that comes after its
+    round is answered at once, point to point. ``multicast_rounds`` and ``multicast_answers``
+    count them; ``sent_patch_bytes`` still counts every answer."""
 
     rank: int
     keep: int = 8
     timeout: float = 600.0
+    round_wait: float = 0.5
     parts: dict = field(default_factory=dict)
     order: dict = field(default_factory=dict)
     patch_bytes: int = 0
@@ -64,8 +76,15 @@ class PartCache:
     sent_bytes: int = 0
     fetches: int = 0
     misses: int = 0
+    multicast_rounds: int = 0
+    multicast_answers: int = 0
     _fetched: dict = field(default_factory=dict)
     _buckets: itertools.count = field(default_factory=itertools.count)
+    #: Multicast: the routes being served, per router; the round being gathered for each patch
+    #: key; the keys whose round went out (a later fetch is answered at once).
+    _members: dict = field(default_factory=dict)
+    _rounds: dict = field(default_factory=dict)
+    _sent: dict = field(default_factory=dict)
 
     def patch(self, sender: int, version: int, part: Any) -> ShardRef:
         """Keep ``part`` (sender ``sender``'s patch of ``version``); its ref for the synchronizer's rank."""
@@ -74,7 +93,9 @@ class PartCache:
         keys = self.order.setdefault(sender, [])
         keys.append(key)
         while len(keys) > self.keep:
-            self.parts.pop(keys.pop(0), None)
+            old = keys.pop(0)
+            self.parts.pop(old, None)
+            self._sent.pop(old, None)
         n = payload_nbytes(part)
         self.patch_bytes += n
         return ShardRef(self.rank, key, n)
@@ -100,6 +121,7 @@ class PartCache:
         """Lineage ``sender`` is gone: its patches are let go."""
         for key in self.order.pop(sender, []):
             self.parts.pop(key, None)
+            self._sent.pop(key, None)
 
     def answer(self, fetch: Any) -> ShardPart:
         """The answer to one :class:`ShardFetch` (counted)."""
@@ -120,24 +142,87 @@ class PartCache:
             event.set()
         return ShardPart(fetch.id, fetch.key, part)
 
-    async def serve(self, send: SendFn, recv: RecvFn) -> None:
+    async def serve(self, send: SendFn, recv: RecvFn, *, transport: Any = None) -> None:
         """Answer one explorer's fetches until it says it is done (:data:`BYE`) or its channel ends
-        (an explorer that dies ends only this). Nothing is left posted after a goodbye."""
-        while True:
-            try:
-                fetch = await recv()
-            except PeerTimeoutError:
-                continue  # idle
-            except _GONE:
-                return
-            if isinstance(fetch, ShardFetch) and fetch.key == BYE:
-                return
-            try:
-                await send(self.answer(fetch))
-            except _GONE:
-                return
-            except PeerTimeoutError as exc:
-                log.warning("aiosync: shard rank %d: an answer to an explorer timed out: %s", self.rank, exc)
+        (an explorer that dies ends only this). Nothing is left posted after a goodbye.
+        ``transport``: the route itself, when it may take part in multicast rounds (it has a
+        ``router``; see the class docstring)."""
+        router = getattr(transport, "router", None)
+        if router is not None:
+            self._members.setdefault(router, set()).add(transport)
+        try:
+            while True:
+                try:
+                    fetch = await recv()
+                except PeerTimeoutError:
+                    continue  # idle
+                except _GONE:
+                    return
+                if isinstance(fetch, ShardFetch) and fetch.key == BYE:  # answered: it consumes the receive
+                    with contextlib.suppress(*_GONE, PeerTimeoutError):  # the explorer's multicast may have left posted
+                        await send(ShardPart(fetch.id, BYE, None))
+                    return
+                answer = self.answer(fetch)
+                try:
+                    if router is not None and answer.payload is not None and answer.key.startswith("p"):
+                        error = await self._together(router, transport, answer)
+                        if error is not None:
+                            raise error
+                    else:
+                        await send(answer)
+                except _GONE:
+                    return
+                except PeerTimeoutError as exc:
+                    log.warning("aiosync: shard rank %d: an answer to an explorer timed out: %s", self.rank, exc)
+        finally:
+            if router is not None:
+                self._members[router].discard(transport)
+                for rnd in self._rounds.values():
+                    rnd.changed.set()  # a round waiting for this route stops waiting
+
+    async def _together(self, router: Any, transport: Any, answer: ShardPart) -> BaseException | None:
+        """Answer ``answer`` (a patch) in the multicast round of its key: the first fetch of it
+        gathers the others' (bounded by ``round_wait``) and sends the round; the rest wait for
+        it. Returns the error this route's answer met, or ``None``."""
+        key = answer.key
+        if key in self._sent:  # its round went out: this one came late
+            return (await router.send([(transport, answer)]))[0]
+        rnd = self._rounds.get(key)
+        if rnd is not None:
+            i = len(rnd.members)
+            rnd.members.append((transport, answer))
+            rnd.changed.set()
+            await rnd.done.wait()
+            return rnd.errors[i] if i < len(rnd.errors) else TransportError("its multicast round failed")
+        rnd = self._rounds[key] = _Round([(transport, answer)])
+        try:
+            with anyio.move_on_after(self.round_wait):
+                while True:
+                    others = self._members.get(router, set())
+                    if len(rnd.members) >= len(others):
+                        break
+                    rnd.changed = anyio.Event()
+                    await rnd.changed.wait()
+            del self._rounds[key]
+            self._sent[key] = True
+            rnd.errors = await router.send(rnd.members)
+            if len(rnd.members) > 1:
+                self.multicast_rounds += 1
+                self.multicast_answers += len(rnd.members)
+        finally:
+            self._rounds.pop(key, None)
+            rnd.done.set()
+        return rnd.errors[0] if rnd.errors else TransportError("its multicast round failed")
+
+
+@dataclass(eq=False)
+class _Round:
+    """The fetches of one patch answered together (:meth:`PartCache._together`)."""
+
+    members: list
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    errors: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -145,6 +230,8 @@ class _Route:
     send: SendFn
     recv: RecvFn
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: A fetch went out on it (then its goodbye is answered: see :meth:`ShardRoutes.aclose`).
+    used: bool = False
 
 
 class ShardRoutes:
@@ -174,12 +261,18 @@ class ShardRoutes:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Tell every rank this process fetches no more (bounded by ``timeout``, quiet)."""
+        """Tell every rank this process fetches no more, and — on a route it fetched on — take
+        the rank's answer to it: nothing is left posted on either side (a multicast round's
+        receive may have left one; bounded by ``timeout``, quiet)."""
         with anyio.move_on_after(self.timeout, shield=True):
             for rank, route in self.routes.items():
                 try:
                     async with route.lock:
                         await route.send(ShardFetch(0, BYE))
+                        while route.used:  # stale answers (an earlier fetch timed out) skipped
+                            answer = await route.recv()
+                            if isinstance(answer, ShardPart) and answer.key == BYE:
+                                break
                 except (*_GONE, PeerTimeoutError) as exc:
                     log.debug("aiosync: could not tell shard rank %d goodbye: %s", rank, exc)
 
@@ -212,6 +305,7 @@ class ShardRoutes:
     async def _ask(self, route: _Route, ref: ShardRef) -> ShardPart:
         async with route.lock:  # one conversation per channel; stale answers (an earlier timeout) skipped
             fetch_id = next(self._ids)
+            route.used = True
             with anyio.fail_after(self.timeout):
                 await route.send(ShardFetch(fetch_id, ref.key))
                 while True:
