@@ -8,6 +8,12 @@
   middleware and key; patches over HTTP, signed; after each sync the server's greedy outputs over
   HTTP equal those of the trainer's model. Stock TRL against the same server is the control: it
   cannot sync off CUDA.
+* **several trainer processes** (server mode, the same server): ``examples/trl_grpo.py`` as two
+  ranks under torchrun (gloo) — data parallel (rank 0 sends, rank 1 learns every version) and
+  FSDP2 (each rank sends its own shard's patch; nothing gathered); after each sync the server's
+  greedy outputs equal the trainer's weights, every rank records the versions of every batch.
+  Without aiosync's multi-rank support the ranks fail at start-up (ConfigError).
+* **RLOO**: ``AiosyncRLOOTrainer``, two steps, the server follows.
 
 The tiny fp32 Llama and its word-level tokenizer are those of ``examples/trl_grpo.py``. Skipped
 without TRL, vLLM or transformers.
@@ -168,3 +174,70 @@ def test_a_trainer_with_the_wrong_key_is_refused(server, model_dir, tmp_path):
     with pytest.raises(ApplyError, match="did not sign its run id with this key"):
         build(AiosyncGRPOTrainer, "server", model_dir, tmp_path / "out", server_url=process.url,
               aiosync=AiosyncConfig(key_file=str(wrong), timeout=60.0))
+
+
+# ------------------------------------------------------------ several trainer processes
+
+
+RANK_STEPS = 3
+
+
+def launch_ranks(server, model_dir, tmp_path, fsdp: bool) -> list[dict]:
+    """``examples/trl_grpo.py`` as two trainer processes (torchrun, gloo) against the module's
+    server; every rank's report. Bounded: a hang kills the ranks and fails with their output."""
+    process, key_file = server
+    (tmp_path / "model").symlink_to(model_dir)
+    return example.launch(2, RANK_STEPS, tmp_path, process.url, key_file, fsdp=fsdp, timeout=600.0)
+
+
+def assert_every_rank_synced(ranks: list[dict]) -> None:
+    r0 = ranks[0]
+    assert r0["syncs"] == RANK_STEPS and r0["engine_matches_trainer"] is True  # server = trainer after every sync
+    for r in ranks:  # every rank learns each version, and the versions that generated each batch
+        assert r["versions"] == list(range(1, RANK_STEPS + 1))
+        assert r["sample_versions"] == [[v] for v in range(1, RANK_STEPS + 1)]
+    assert 0 < r0["bytes_per_sync"] < r0["full_model_bytes"]  # patches, never the whole model
+    assert sum(r["gathered_bytes"] for r in ranks) == 0  # aiosync's sync gathered no shard
+
+
+@pytest.mark.skipif(not os.path.exists(example.torchrun()), reason="torchrun is not installed next to this python")
+def test_server_grpo_with_two_data_parallel_trainer_processes(server, model_dir, tmp_path):
+    ranks = launch_ranks(server, model_dir, tmp_path, fsdp=False)
+    assert_every_rank_synced(ranks)
+    assert [r["sharded"] for r in ranks] == [False, False] and "shard_patch_bytes" not in ranks[1]  # rank 0 sends
+
+
+@pytest.mark.skipif(not os.path.exists(example.torchrun()), reason="torchrun is not installed next to this python")
+def test_server_grpo_with_an_fsdp2_trainer_whose_ranks_send_their_own_shards(server, model_dir, tmp_path):
+    ranks = launch_ranks(server, model_dir, tmp_path, fsdp=True)
+    assert_every_rank_synced(ranks)
+    r0, r1 = ranks
+    assert r0["sharded"] and r1["sharded"]  # accelerate's FSDP2: each rank holds shards (DTensors)
+    # each rank built one patch of its own shard per version (and the bootstrap's first), and
+    # rank 0 relayed rank 1's encoded patches to the server: the bytes rank 1 built, nothing more
+    assert r0["shard_patches"] >= RANK_STEPS and r1["shard_patches"] >= RANK_STEPS
+    assert 0 < r1["shard_patch_bytes"] and 0 < r0["shard_patch_bytes"]
+    assert r0["relayed_bytes"] >= r1["shard_patch_bytes"]
+
+
+def test_rloo_server_mode_trains_two_steps_and_the_server_follows(server, model_dir, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from trl import RLOOConfig
+
+    from aiosync.integrations.trl import AiosyncRLOOTrainer
+
+    process, key_file = server
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype="float32")
+    trainer = AiosyncRLOOTrainer(model=model, reward_funcs=example.small_numbers, train_dataset=example.dataset(),
+                                 args=example.grpo_config("server", 2, tmp_path / "out", process.url,
+                                                          config_class=RLOOConfig),
+                                 processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
+                                 aiosync=AiosyncConfig(key_file=str(key_file), timeout=120.0))
+    try:
+        checks = trained(trainer)
+        history = trainer.vllm_generation.history
+    finally:
+        trainer.close_aiosync()
+    assert [r.version for r in history] == [1, 2] and checks == [True, True]
+    assert history[1].changed_elements > 0  # the first step changed the weights, and the server followed
+    assert trainer.vllm_generation.sample_versions[0] == (2,)

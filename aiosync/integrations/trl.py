@@ -24,8 +24,12 @@ trainer's logs get ``aiosync/*`` metrics (version, bytes and pause of the last s
 that generated the last batch). aiosync's coroutines run on an event loop of their own (a daemon
 thread); TRL's synchronous code waits on them, each wait bounded by ``AiosyncConfig.timeout``.
 
-Limits: one trainer process (``accelerator.num_processes == 1``), no PEFT, no vLLM sleep mode,
-no tensor parallelism in colocate mode. What a TRL minor release could break: the names this
+Several trainer processes (``torchrun`` / ``accelerate launch``, server mode): rank 0 talks to the
+server; the other ranks of a data-parallel trainer learn each sync's record and each batch's
+versions from it, those of an FSDP2 trainer send their own shards (:mod:`.trl_sync`).
+
+Limits: colocate mode runs one trainer process; no DeepSpeed ZeRO-3 or FSDP1, no PEFT, no vLLM
+sleep mode, no tensor parallelism in colocate mode. What a TRL minor release could break: the names this
 module relies on — ``VLLMGeneration`` imported by name into each trainer's module, its ``_init_vllm``
 / ``sync_weights`` / ``generate`` methods and ``mode``/``llm``/``vllm_client`` attributes, ``LLM``
 looked up in ``trl.generation.vllm_generation``, ``VLLMClient``'s constructor and its ``session``
@@ -36,18 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-from anyio.from_thread import BlockingPortal
-
-from ..errors import ApplyError, ConfigError, PeerTimeoutError
+from ..errors import ConfigError
+from .trl_sync import (AiosyncConfig, Bridge, LoopThread, Ranks, ShardedBridge, ShardRank, SyncRecord, record_dict,
+                       record_of)
 
 try:
     from trl.generation import vllm_generation as _trl_generation
@@ -60,150 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without TRL
 __all__ = ["AiosyncConfig", "AiosyncVLLMClient", "AiosyncVLLMGeneration", "SyncRecord", "with_aiosync"]
 # and, imported on first use (TRL's trainers import slowly): AiosyncGRPOTrainer, AiosyncRLOOTrainer
 
-PATCH = {"type": "patch", "patch": {"encoding": "flat", "compression": "zstd"}}
 _SWAP = threading.Lock()  # the trainer modules' VLLMGeneration is swapped only while a trainer is built
-
-
-@dataclass(frozen=True)
-class AiosyncConfig:
-    """How aiosync syncs a TRL trainer's vLLM.
-
-    ``weight_syncer`` / ``sync``: aiosync's ``weight_syncer`` and synchronizer configs
-    (docs/configuration.md; default: patches coded ``flat``, zstd, fixed sync points).
-    ``inplace``: colocate mode writes patches in the engine's own parameters (default) or
-    through the shadow copy (``False``). ``engine_kwargs``: extra ``vllm.LLM`` arguments in
-    colocate mode (on a CPU e.g. ``{"kv_cache_memory_bytes": 64 << 20}``). ``key`` /
-    ``key_file``: the key the ``vllm serve`` was started with (server mode; default: the
-    environment's ``AIOSYNC_SERVER_KEY_FILE`` / ``AIOSYNC_SERVER_KEY``). ``timeout``: bound on
-    each sync and each engine or server call, in seconds. ``retries``: deliveries a sync may
-    repair (a restarted server is bootstrapped) before it raises.
-    """
-
-    weight_syncer: dict = field(default_factory=lambda: dict(PATCH))
-    sync: dict = field(default_factory=lambda: {"style": "fixed"})
-    inplace: bool = True
-    engine_kwargs: dict = field(default_factory=dict)
-    key: str | None = None
-    key_file: str | None = None
-    timeout: float = 300.0
-    retries: int = 2
-
-    def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ConfigError(f"AiosyncConfig: timeout must be positive seconds, got {self.timeout!r}")
-        if not isinstance(self.retries, int) or self.retries < 0:
-            raise ConfigError(f"AiosyncConfig: retries must be an int >= 0, got {self.retries!r}")
-        if "weight_transfer_config" in self.engine_kwargs:
-            raise ConfigError("AiosyncConfig: engine_kwargs must not set weight_transfer_config (aiosync sets "
-                              "{'backend': 'aiosync'})")
-
-
-@dataclass(frozen=True)
-class SyncRecord:
-    """One sync: the version, what the synchronizer sent the explorer (``bytes``), the elements
-    that changed, the engine's pause for the write, and the sync's wall time (seconds)."""
-
-    version: int
-    bytes: int
-    changed_elements: int
-    pause_s: float
-    seconds: float
-
-
-class _Bridge:
-    """aiosync's synchronizer on an event loop of its own (a daemon thread), driven from TRL's
-    synchronous code: the trainer's model attached as the trainer, one engine as the explorer."""
-
-    def __init__(self, config: AiosyncConfig, model: Any, name: str, explorer_model: Any,
-                 pause_s: Callable[[], Any]) -> None:
-        from ..coordination import Synchronizer
-
-        self.config, self.name, self.model = config, name, explorer_model
-        self._pause_s = pause_s
-        self._portal: BlockingPortal | None = None
-        self._thread = self._start_loop()
-        self._stack = contextlib.ExitStack()
-        try:
-            self._stack.callback(self._stop_loop)
-            self.sync = self._stack.enter_context(
-                self._portal.wrap_async_context_manager(Synchronizer(config.sync, config.weight_syncer)))
-            self.trainer = self.call(self.sync.attach_trainer, model, what="attaching the trainer's model")
-            self.explorer = self.call(self.sync.attach_explorer, name, explorer_model,
-                                      what=f"bootstrapping the {name} engine (its first, full sync)")
-        except BaseException:
-            self._stack.close()
-            raise
-        self.version = 0
-        self.history: list[SyncRecord] = []
-
-    def _start_loop(self) -> threading.Thread:
-        ready = threading.Event()
-
-        async def main() -> None:
-            async with BlockingPortal() as portal:
-                self._portal = portal
-                ready.set()
-                await portal.sleep_until_stopped()
-
-        thread = threading.Thread(target=anyio.run, args=(main,), name="aiosync-trl", daemon=True)
-        thread.start()
-        if not ready.wait(30.0):
-            raise PeerTimeoutError("aiosync's event loop thread did not start within 30 s")
-        return thread
-
-    def _stop_loop(self) -> None:
-        portal, self._portal = self._portal, None
-        if portal is not None:
-            with contextlib.suppress(Exception):
-                portal.call(portal.stop)
-            self._thread.join(self.config.timeout)
-
-    def call(self, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
-        """Run ``fn(*args)`` (a coroutine function, or a plain one) on aiosync's loop, bounded by the timeout."""
-        if self._portal is None:
-            raise ApplyError("aiosync's sync for this TRL trainer is closed")
-        timeout, what = self.config.timeout, what or getattr(fn, "__name__", "an aiosync call")
-
-        async def bounded() -> Any:
-            try:
-                with anyio.fail_after(timeout):
-                    result = fn(*args)
-                    return (await result) if inspect.isawaitable(result) else result
-            except TimeoutError:
-                raise PeerTimeoutError(f"aiosync: {what} did not finish within {timeout}s "
-                                       "(AiosyncConfig.timeout)") from None
-
-        return self._portal.call(bounded)
-
-    def sync_weights(self) -> SyncRecord:
-        """Publish the trainer's weights as the next version and wait until the engine holds it."""
-        version = self.version + 1
-        line = self.sync.explorers[self.name].line.stats
-        sent, changed = line.bytes_sent, line.changed_elements
-        t0 = time.perf_counter()
-        self.call(self._sync, version, what=f"the sync of version {version} to the {self.name} engine")
-        pause = self.call(self._pause_s, what=f"reading the {self.name} engine's pause")
-        record = SyncRecord(version, line.bytes_sent - sent, line.changed_elements - changed, pause,
-                            time.perf_counter() - t0)
-        self.version = version
-        self.history.append(record)
-        return record
-
-    async def _sync(self, version: int) -> None:
-        await self.trainer.sync_weight(version)
-        got = None
-        for _ in range(1 + self.config.retries):  # a failed delivery is repaired by the next one
-            got = await self.explorer.sync_weight()
-            if got == version:
-                return
-        raise ApplyError(f"the {self.name} engine holds version {got}, not {version}, after "
-                         f"{1 + self.config.retries} deliveries: see sync.metrics()['explorers'][{self.name!r}]")
-
-    def metrics(self) -> dict:
-        return self.call(self.sync.metrics, what="sync.metrics()")
-
-    def close(self) -> None:
-        self._stack.close()
 
 
 class AiosyncVLLMClient(VLLMClient):
@@ -240,10 +98,15 @@ class AiosyncVLLMGeneration(VLLMGeneration):
 
     def __init__(self, *args: Any, aiosync: AiosyncConfig | None = None, **kwargs: Any) -> None:
         self.aiosync = AiosyncConfig() if aiosync is None else aiosync
-        self.bridge: _Bridge | None = None
+        #: The synchronizer's side (this process, or rank 0 of several); ``None`` on other ranks.
+        self.bridge: Bridge | None = None
+        #: The trainer's processes (``None``: one), and this rank's part of an FSDP2 trainer's syncs.
+        self.ranks: Ranks | None = None
+        self.shard_rank: ShardRank | None = None
+        self.loop: LoopThread | None = None
         #: Per completion of the last generated batch: the versions whose weights generated it.
         self.sample_versions: list[tuple[int | None, ...]] = []
-        #: Every sync so far (kept after :meth:`close`).
+        #: Every sync so far (kept after :meth:`close`; on every rank).
         self.history: list[SyncRecord] = []
         super().__init__(*args, **kwargs)
 
@@ -252,18 +115,28 @@ class AiosyncVLLMGeneration(VLLMGeneration):
     def _init_vllm(self) -> None:
         if self.mode not in ("colocate", "server"):
             return super()._init_vllm()  # TRL's own error
-        if self.accelerator.num_processes != 1:
-            raise ConfigError(f"aiosync's TRL integration runs one trainer process for now, got "
-                              f"{self.accelerator.num_processes}: launch without accelerate/torchrun")
+        processes = self.accelerator.num_processes
+        if processes != 1 and self.mode == "colocate":
+            raise ConfigError(f"aiosync's colocate mode runs one trainer process, got {processes}: use "
+                              "vllm_mode='server' (any number of trainer processes), or launch one process")
+        if self._dist.is_zero3 or self._dist.fsdp_version == 1:
+            raise ConfigError("aiosync syncs plain data-parallel trainers (every rank holds the whole model) and "
+                              "FSDP2 trainers (fsdp_version 2: each rank sends its own shard); DeepSpeed ZeRO-3 and "
+                              "FSDP1 are not supported: use FSDP2, or TRL's own sync")
         from accelerate.utils import is_peft_model
 
         if is_peft_model(self.model):
             raise ConfigError("aiosync's TRL integration does not sync PEFT adapters yet: merge them, or use "
                               "TRL's own sync (the plain GRPOTrainer)")
-        if self.mode == "colocate":
-            self._init_colocate()
-        else:
-            self._init_server()
+        self.loop = LoopThread(self.aiosync.timeout)
+        try:
+            if self.mode == "colocate":
+                self._init_colocate()
+            else:
+                self._init_server()
+        except BaseException:
+            self.close()
+            raise
 
     def _init_colocate(self) -> None:
         if self.enable_sleep_mode:
@@ -281,7 +154,7 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         async def pause_s() -> float:
             return target.statistics().last_pause_s
 
-        self.bridge = _Bridge(self.aiosync, self.model, "vllm", target, pause_s)
+        self.bridge = Bridge(self.loop, self.aiosync, "vllm", target, pause_s, model=self.model)
         self.history = self.bridge.history
 
     def _recording(self, generate: Callable[..., Any]) -> Callable[..., Any]:
@@ -303,37 +176,91 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         return recorded
 
     def _init_server(self) -> None:
+        """Rank 0 talks to the server (generation, as TRL does, and the sync); the other ranks of
+        a data-parallel trainer only learn what rank 0 did, those of an FSDP2 trainer send their
+        own shards through it (:mod:`.trl_sync`)."""
+        from ..coordination.shards import SHARD_TAG
         from ..engines.vllm_server import VLLMServer
 
-        base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-        self.vllm_client = AiosyncVLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
-        server = VLLMServer(base_url, key=self.aiosync.key, key_file=self.aiosync.key_file,
-                            timeout=self.aiosync.timeout)
+        if self.accelerator.num_processes > 1:
+            if self._dist.fsdp_version != 2 and _sharded(self.model):
+                raise ConfigError("the model's parameters are DTensors (sharded) but accelerate does not run FSDP2: "
+                                  "let accelerate shard it (fsdp_config={'fsdp_version': 2}), or pass an unsharded model")
+            self.ranks = Ranks(self.loop, self.aiosync)  # a collective: every rank
+        main, server = self.accelerator.is_main_process, None
+        if main:
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = AiosyncVLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
+            server = VLLMServer(base_url, key=self.aiosync.key, key_file=self.aiosync.key_file,
+                                timeout=self.aiosync.timeout)
 
         async def pause_s() -> float:
             return float((await server.state())["engine"].get("last_pause_s", 0.0))
 
-        self.bridge = _Bridge(self.aiosync, self.model, "server", server, pause_s)
-        self.history = self.bridge.history
+        if self.ranks is not None and self._dist.fsdp_version == 2:  # attached at the first sync (sharded by then)
+            if main:
+                peers = [self.ranks.transport(r, SHARD_TAG) for r in range(1, self.ranks.world)]
+                self.bridge = ShardedBridge(self.loop, self.aiosync, "server", server, pause_s, peers)
+                self.history = self.bridge.history
+            else:
+                self.shard_rank = ShardRank(self.loop, self.aiosync, self.ranks.transport(0, SHARD_TAG))
+        elif main:
+            self._on_ranks(lambda: self._start_bridge(server, pause_s), "bootstrapping the vLLM server")
+        else:
+            self._on_ranks(lambda: None, "bootstrapping the vLLM server")
         self.accelerator.wait_for_everyone()
+
+    def _start_bridge(self, server: Any, pause_s: Callable[[], Any]) -> None:
+        self.bridge = Bridge(self.loop, self.aiosync, "server", server, pause_s, model=self.model)
+        self.history = self.bridge.history
+
+    def _on_ranks(self, step: Callable[[], Any], what: str) -> Any:
+        """``step()`` on this rank; with several trainer ranks, rank 0's outcome on every rank."""
+        return step() if self.ranks is None else self.ranks.share(step, what)
 
     # -- TRL's calls ---------------------------------------------------------------------
 
     def sync_weights(self) -> SyncRecord:
         """Sync the trainer's weights to the engine (one aiosync version; the engine resets its
-        prefix cache with the write)."""
-        return self.bridge.sync_weights()
+        prefix cache with the write). With several trainer processes TRL calls it on every rank:
+        rank 0 syncs (an FSDP2 trainer's other ranks send their shards), every rank returns the
+        record."""
+        if self.ranks is None:
+            return self.bridge.sync_weights()
+        t0 = time.perf_counter()
+        version = len(self.history) + 1
+        if version == 1 and (self.shard_rank is not None or isinstance(self.bridge, ShardedBridge)):
+            start = (self.shard_rank or self.bridge).start  # every rank's shard, before the first check point
+            self.ranks.share(lambda: start(self.model), "the bootstrap of the vLLM server from every rank's shard")
+
+        def step() -> dict | None:
+            if self.shard_rank is not None:
+                self.shard_rank.sync_weights()
+            return None if self.bridge is None else record_dict(self.bridge.sync_weights())
+
+        value = self.ranks.share(step, f"the sync of version {version} to the vLLM server")
+        if self.bridge is not None:
+            return self.history[-1]
+        record = record_of(value, time.perf_counter() - t0)
+        self.history.append(record)
+        return record
 
     def generate(self, *args: Any, **kwargs: Any) -> tuple:
-        if self.mode == "server":
-            start = len(self.vllm_client.versions)
-            out = super().generate(*args, **kwargs)
-            batches = self.vllm_client.versions[start:]
-            versions = tuple(sorted({v for b in batches for v in b if v is not None}))
-            self.sample_versions = [versions] * len(out[1])
-            del self.vllm_client.versions[:]
-            return out
-        return super().generate(*args, **kwargs)
+        if self.mode != "server":
+            return super().generate(*args, **kwargs)
+        out = super().generate(*args, **kwargs)  # rank 0 asks the server (TRL's client), every rank takes its share
+
+        def versions() -> list[int] | None:
+            client = getattr(self, "vllm_client", None)
+            if client is None:  # not rank 0
+                return None
+            seen = sorted({v for batch in client.versions for v in batch if v is not None})
+            del client.versions[:]
+            return seen
+
+        seen = self._on_ranks(versions, "the versions that generated the batch")
+        self.sample_versions = [tuple(seen)] * len(out[1])
+        return out
 
     # -- what the trainer logs -----------------------------------------------------------
 
@@ -352,14 +279,23 @@ class AiosyncVLLMGeneration(VLLMGeneration):
         return out
 
     def metrics(self) -> dict:
-        """The synchronizer's ``sync.metrics()``."""
+        """The synchronizer's ``sync.metrics()`` (on rank 0 of several trainer processes)."""
+        if self.bridge is None:
+            raise ConfigError("sync.metrics() lives where the synchronizer runs: rank 0 of the trainer's processes")
         return self.bridge.metrics()
 
     def close(self) -> None:
-        """Stop aiosync's synchronizer and its event loop (the engine keeps its weights)."""
-        bridge, self.bridge = self.bridge, None
-        if bridge is not None:
-            bridge.close()
+        """Stop aiosync's synchronizer and its event loop (the engine keeps its weights). With
+        several trainer processes, call it on every rank."""
+        loop, self.loop, self.bridge, self.shard_rank = self.loop, None, None, None
+        if loop is not None:
+            loop.close()
+
+
+def _sharded(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 @contextlib.contextmanager
