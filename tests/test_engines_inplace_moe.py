@@ -64,3 +64,24 @@ def test_stacked_experts_map_to_runs_but_the_cpu_moe_kernel_relayout_refuses_in_
     target = VLLMTarget(llm, inplace="auto")
     assert target.statistics().path == "shadow"
     target.close()
+
+
+def _init_refusal(worker, manifest) -> str | None:
+    """What the worker's ``aiosync`` backend says to a manifest (``None``: accepted)."""
+    from aiosync.engines.vllm_backend import AiosyncInitInfo
+
+    try:
+        worker.weight_transfer_engine.init_transfer_engine(AiosyncInitInfo(manifest=manifest))
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_the_backend_refuses_to_write_moe_experts_its_kernel_re_lays_out(llm, model_dir):
+    """vLLM does not re-lay the experts out after a weight update, so any write (the shadow
+    path's too) would leave the engine computing with wrong weights: the backend refuses the
+    manifest, before anything is written, naming the experts."""
+    manifest = [[k, list(s.shape), "float32"] for k, s in checkpoint_layout(str(model_dir)).items()]
+    refusal = on_worker(llm, _init_refusal, manifest)
+    assert refusal is not None and refusal.startswith("PayloadError") and "MoE experts" in refusal, refusal
+    assert "routed_experts.w13_weight" in refusal and "wrong weights" in refusal

@@ -177,6 +177,13 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
 
     def init_transfer_engine(self, init_info: AiosyncInitInfo) -> None:
         layout = parse_manifest(init_info.manifest)
+        relaid = relaid_out_parameters(self.model)
+        if relaid:
+            raise PayloadError(f"aiosync backend: this engine's MoE experts ({relaid[0][0]!r}, ...) are re-laid out "
+                               "by their kernel after loading (vLLM-CPU's grouped GEMM), and vLLM does not re-lay them "
+                               "out after a weight update: any update would leave the engine computing with wrong "
+                               "weights, so aiosync refuses to write it. Use an engine whose MoE kernel reads its "
+                               "weights as loaded (vLLM on a GPU), or a dense model")
         checkpoint = self._checkpoint_layout()
         if checkpoint is not None:
             given = {k: spec_of(t) for k, t in layout.items()}
@@ -291,6 +298,25 @@ class AiosyncWeightTransferEngine(WeightTransferEngine[AiosyncInitInfo, AiosyncU
                                f"{KEPT} ({self._held()})") from exc
         update.committed = True
         self.version = reader.version
+
+
+def relaid_out_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every parameter of ``model`` whose MoE experts kernel re-lays its
+    values out after loading, in the same shape (vLLM-CPU's grouped GEMM prepacks ``w13_weight`` /
+    ``w2_weight``): what a loader writes there is not what the kernel reads, and vLLM's weight
+    update does not run the re-layout again. Empty where vLLM has no such kernel."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    except ImportError:
+        return []
+    no_op = FusedMoEExperts.process_weights_after_loading
+    out = []
+    for prefix, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).process_weights_after_loading is not no_op:
+            out.extend((f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False))
+    return out
 
 
 def read_parameters(worker: Any, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:

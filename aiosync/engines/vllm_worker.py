@@ -77,29 +77,13 @@ def unreadable_parameter(worker: Any) -> str | None:
     """The first parameter of the worker's model that cannot be written in place (empty:
     re-packed into a kernel's handle; not contiguous; re-laid out by an MoE kernel), or ``None``."""
     model = worker.get_model()
-    relaid = _relaid_out(model)
+    from .vllm_backend import relaid_out_parameters
+
+    relaid = {id(p) for _, p in relaid_out_parameters(model)}
     for name, p in model.named_parameters():
         if p.numel() == 0 or not p.is_contiguous() or id(p) in relaid:
             return name
     return None
-
-
-def _relaid_out(model: Any) -> set[int]:
-    """``id``s of the parameters of MoE layers whose experts kernel re-lays their values out
-    after loading, in the same shape (vLLM-CPU's grouped GEMM prepacks ``w13_weight`` /
-    ``w2_weight``): what the loader writes there is not what the kernel reads."""
-    try:
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
-    except ImportError:
-        return set()
-    relaid: set[int] = set()
-    no_op = FusedMoEExperts.process_weights_after_loading
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).process_weights_after_loading is not no_op:
-            relaid.update(id(p) for p in module.parameters(recurse=False))
-    return relaid
 
 
 def _group(worker: Any) -> Any:
