@@ -301,7 +301,7 @@ class AsyncCalls(EngineCalls):
             try:
                 replies = await self.engine.collective_rpc("aiosync_call", args=(name, *to_wire(list(args))))
             except Exception as exc:
-                if "aiosync_call" in str(exc) and "not implemented" in str(exc):
+                if "aiosync_call" in str(exc) and ("not implemented" in str(exc) or "no attribute" in str(exc)):
                     raise ConfigError(f"this AsyncLLM's workers cannot take aiosync's calls: start the engine "
                                       f"with worker_extension_cls={WORKER_EXTENSION!r} (vllm serve: "
                                       f"--worker-extension-cls {WORKER_EXTENSION})") from None

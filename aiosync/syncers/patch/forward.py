@@ -63,7 +63,9 @@ def local_model(state_dict: Any) -> Any:
     patches are decoded against the model's rows here, which a remote target does not hold)."""
     if isinstance(state_dict, RemoteTarget):
         raise HandshakeError("a sharded trainer's patches cannot be forwarded to a model that applies them where it "
-                             "lives (a RemoteTarget) yet; give the explorer a model that holds its weights")
+                             "lives (a RemoteTarget) yet; give the explorer a model that holds its weights (a vLLM engine: "
+                             "VLLMTarget(engine, inplace=False); a vllm serve: start it without aiosync's worker "
+                             "extension, so that it takes the shadow path)")
     return state_dict
 
 
