@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -133,11 +134,7 @@ class OfflineCalls(EngineCalls):
 
     def rpc(self, name: str, *args: Any, beside: bool = False) -> asyncio.Future:
         """The aiosync call ``name`` in every worker: the function itself, in this process."""
-        from .vllm_worker import answer, call
-
-        def run() -> list[Any]:
-            return answer(self.engine.collective_rpc(call, args=(name, *args)))
-
+        run = functools.partial(self.rpc_now, name, *args)
         if not beside:
             return self.submit(run)
         if self._beside is None:
@@ -153,10 +150,8 @@ class OfflineCalls(EngineCalls):
     def commit(self, label: str | None) -> asyncio.Future:
         """The in-place commit, on the engine's thread (under :meth:`paused`): write the staged
         transaction in every worker, label it, reset the prefix cache."""
-        from .vllm_worker import answer, call
-
         def commit() -> None:
-            answer(self.engine.collective_rpc(call, args=("commit_write",)))
+            self.rpc_now("commit_write")
             if label is not None:
                 self.engine.llm_engine.set_weight_version(label)
             if self.clear_cache:
