@@ -15,6 +15,7 @@ import anyio
 import pytest
 import torch
 
+from aiosync.engines import index_map
 from aiosync.engines.index_map import loaded_image
 from aiosync.engines.inplace import EngineReceiver, decode_payload
 from aiosync.engines.vllm_worker import from_wire, to_wire
@@ -26,7 +27,7 @@ from aiosync.syncers.base import RemoteWrite
 from aiosync.syncers.common.payloads import ShardedPatch, ShardRef, Stamped
 from aiosync.syncers.patch.shards import ShardLink, ShardServer, ShardSet
 from aiosync.transports.inproc import inproc_pair
-from helpers import HANG_GUARD, PATCH, same_bits
+from helpers import HANG_GUARD, PATCH, PATCH_COO, same_bits
 
 #: The checkpoint: ``q`` and ``k`` fused into one parameter, ``emb`` padded, ``t`` transposed
 #: (the map falls back to writing it whole through the loader), ``b`` a vector.
@@ -76,14 +77,34 @@ def adamw_like(state: dict[str, torch.Tensor], v: int, also: tuple | None = None
             state[key].view(-1)[at] += 0.5
 
 
+class LowerRows(torch.nn.Module):
+    """A worker of a tensor-parallel engine that holds only the rows rank 1 of the trainer holds
+    (row ``SPLIT[k]`` on) of every tensor: none of rank 0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for k, s in SPECS.items():
+            self.register_parameter(k, torch.nn.Parameter(torch.zeros(s[0] - SPLIT[k], *s[1:]), requires_grad=False))
+
+    def load_weights(self, weights) -> None:
+        for name, w in weights:
+            getattr(self, name).copy_(w[SPLIT[name]:])
+
+
 class EngineTarget(Mapping):
     """A RemoteTarget over an EngineReceiver: each write crosses as wire values (the patch as its
     encoded bytes), staged, then committed — what the vLLM backend does in its worker."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: torch.nn.Module) -> None:
         self.engine = engine
         self.meta = {k: torch.empty(s, device="meta") for k, s in SPECS.items()}
-        self.receiver = EngineReceiver(engine, engine.load_weights, self.meta)
+        index = None
+        if isinstance(engine, LowerRows):  # one worker of several: its map holds part of each tensor
+            specs = {k: (s, torch.float32) for k, s in SPECS.items()}
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(index_map, "assign_owners", lambda index, group: None)  # it answers for all it holds
+                index = index_map.probe_map(engine, engine.load_weights, specs, group=object())
+        self.receiver = EngineReceiver(engine, engine.load_weights, self.meta, index=index)
         self.writes: list[dict] = []
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -128,25 +149,26 @@ async def _serve(server: ShardServer, end) -> None:
         await server.handle(await end.recv())
 
 
-async def run(versions, check, tamper=None) -> None:
+async def run(versions, check, tamper=None, engine=Engine, config=PATCH) -> None:
     """A two-shard trainer's bootstrap, then one sync per version into the engine; ``check(v,
     target, receiver, state, apply)`` after each; ``tamper(send)`` may wrap what the sender sends."""
     state, step = full(), [0]
     names = list(state)
-    target = EngineTarget(Engine())
+    target = EngineTarget(engine())
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
             a, b = inproc_pair(max_buffer_size=1, timeout=5)
             server = ShardServer(1, lambda: pieces(state, 1), names, b.send, lambda: step[0])
             tg.start_soon(_serve, server, b)
             shards = ShardSet(lambda: pieces(state, 0), names, [ShardLink(1, a.send, a.recv, server.hello().pieces)],
-                              PATCH, lambda: step[0], timeout=5)
+                              config, lambda: step[0], timeout=5)
             sender, receiver = shards.make(bootstrap=True), PatchWeightSyncer()
             x, y = inproc_pair(timeout=5)
             async with anyio.create_task_group() as pair:
                 pair.start_soon(sender.init_sender, pieces(state, 0), names, x.send, x.recv)
                 await receiver.init_receiver(target, y.recv, y.send)
-            assert engine_holds(target, state) and target.receiver.version is None
+            assert engine is not Engine or engine_holds(target, state)
+            assert target.receiver.version is None
             send = x.send if tamper is None else tamper(x.send)
             for v in versions:
                 step[0] = v
@@ -187,6 +209,20 @@ async def test_the_bootstrap_reaches_the_engine_as_whole_tensors_and_patches_as_
         assert stats["parts"] == 2 and stats["parts_skipped"] == 0 and stats["fallback"] == ["t"]
 
     await run([1], check)
+
+
+async def test_a_worker_that_holds_none_of_a_parts_rows_skips_it_and_writes_its_own():
+    """A part none of whose rows a worker holds is not decoded there (header checked only); the
+    rows it does hold end bit-exact. (``coo`` patches: no drift hashes, which a worker holding part
+    of a tensor can only check summed with the other workers'.)"""
+    async def check(v, target, receiver, state, apply):
+        adamw_like(state, v)
+        assert await apply() == v
+        assert all(same_bits(getattr(target.engine, k).detach(), state[k][SPLIT[k]:]) for k in SPECS)
+        stats = target.receiver.statistics()
+        assert stats["parts"] == v and stats["parts_skipped"] == v  # rank 1's part decoded, rank 0's skipped
+
+    await run([1, 2], check, engine=LowerRows, config=PATCH_COO)
 
 
 async def test_a_drifted_value_in_one_shards_rows_is_refused_with_nothing_written():
