@@ -27,7 +27,7 @@ from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
 from aiosync.errors import ConfigError  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.syncers.common.bits import as_bits  # noqa: E402
-from helpers import HANG_GUARD, in_process_engine  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine, two_rank_syncs  # noqa: E402
 from test_engines_vllm import BUCKET, PATCH, PROMPTS, TOKENS, adamw_steps, engine_greedy, make_optimizer  # noqa: E402
 
 # vLLM pads the 32-token vocabulary of the tiny Llama to 64 rows: the embeddings are padded.
@@ -171,58 +171,21 @@ async def test_patch_syncs_land_in_place_bit_exact_and_equal_a_bucket_sync(llm, 
     assert patch_bytes > 0 and len(patched) == len(via_bucket)
 
 
-def _rows(model, rank: int) -> dict:
-    """Rank ``rank``'s pieces of a two-rank FSDP2-like trainer (dim 0 split unevenly): views of
-    the live parameters, so that every AdamW step shows in both ranks' pieces."""
-    from aiosync.pieces import TensorSlice
-
-    out = {}
-    for key, t in model.state_dict().items():
-        cut = max(1, t.shape[0] // 3)
-        a, b = (0, cut) if rank == 0 else (cut, t.shape[0])
-        out[key] = TensorSlice(t[a:b], (a,) + (0,) * (t.dim() - 1), tuple(t.shape))
-    return out
-
-
 async def test_a_sharded_trainers_patches_land_in_place_bit_exact(llm, trainer_model):
     """Two ranks of a sharded trainer, each building the patch of its own rows (rank 1 a
     ShardPeer): the bootstrap (whole tensors assembled from both ranks' rows) and every version
     (both ranks' parts, each decoded against its rows) land in the engine's own parameters."""
-    from aiosync.coordination.shards import ShardPeer
-    from aiosync.transports.inproc import inproc_pair
-
     target = VLLMTarget(llm, inplace=True)
     opt = make_optimizer(trainer_model)
-    names = list(trainer_model.state_dict())
-    to_peer, peer_end = inproc_pair(max_buffer_size=1, timeout=10)
-    peer = ShardPeer(_rows(trainer_model, 1), peer_end, rank=1, names=names, timeout=10)
-    steps, gates = 3, {v: anyio.Event() for v in (1, 2, 3)}
-    config = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=30, delivery_timeout=30)
-
-    async def rank1() -> None:
-        async with peer:
-            for v in range(1, steps + 1):
-                await gates[v].wait()
-                await peer.step_done()
-
     with anyio.fail_after(4 * HANG_GUARD):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rank1)
-            async with Synchronizer(config, PATCH) as sync:
-                trainer = await sync.attach_trainer(_rows(trainer_model, 0), param_names=names, shard_peers=[to_peer])
-                await sync.attach_explorer("vllm", target)
-                await assert_engine_is(llm, target, trainer_model, 0, outputs=False)
-                for v in range(1, steps + 1):
-                    await anyio.to_thread.run_sync(adamw_steps, trainer_model, opt, 1, 60 + v)
-                    gates[v].set()
-                    await trainer.step_done()
-                await trainer.stop()
-                applied = sync.explorers["vllm"].line.stats.versions_applied
-    await assert_engine_is(llm, target, trainer_model, steps)
+        applied = await two_rank_syncs(trainer_model, target, 3, lambda v: adamw_steps(trainer_model, opt, 1, 60 + v),
+                                       lambda: assert_engine_is(llm, target, trainer_model, 0, outputs=False))
+    assert applied[-3:] == [1, 2, 3]
+    await assert_engine_is(llm, target, trainer_model, 3)
     engine = await target.engine_statistics()
-    assert applied[-1] == steps and engine["patches"] >= 2 and engine["rollbacks"] == 0
+    assert engine["commits"] == engine["patches"] == 4 and engine["rollbacks"] == 0  # the bootstrap's patch of 0, 1..3
     assert engine["parts"] == 2 * engine["patches"] and engine["parts_skipped"] == 0
-    assert target.statistics().tensors_sent == len(names)  # whole tensors once (the bootstrap), then patches
+    assert target.statistics().tensors_sent == len(trainer_model.state_dict())  # whole tensors once: the bootstrap
     target.close()
 
 

@@ -261,7 +261,8 @@ async def test_a_missing_part_refuses_the_whole_version():
             assert await apply() == 1
             return
         before = target.parameters_now()
-        with pytest.raises(PayloadError, match="shard 1 of sharded patch 2 did not arrive from shard rank 1; refused whole"):
+        with pytest.raises(PayloadError, match="shard 1 of sharded patch 2 did not arrive from shard rank 1; "
+                                               "refused whole"):
             await apply()
         assert all(same_bits(before[n], p) for n, p in target.parameters_now().items())
         assert target.receiver.version == 1
