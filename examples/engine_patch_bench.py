@@ -165,7 +165,8 @@ async def run_sharded(llm: Any, trainer_model: Any, stepper: MaskedAdamW, ranks:
     peers = [ShardPeer(rank_pieces(trainer_model, r, ranks), end, rank=r, names=names, timeout=60)
              for r, (_, end) in enumerate(pairs, start=1)]
     gates = [anyio.Event() for _ in range(steps + 2)]
-    config = dict(method="nccl", style="trainer_driven", sync_timeout=120, delivery_timeout=120)
+    config = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=120,
+                  delivery_timeout=120)
 
     async def peer_steps(peer: Any) -> None:
         async with peer:
