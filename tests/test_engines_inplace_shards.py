@@ -181,7 +181,12 @@ async def _sync(sender, receiver, target, state, send, y, v) -> int:
     return await receiver.apply(target, y.recv)
 
 
-async def test_a_sharded_trainers_patches_land_in_place_bit_exact():
+CTX = {"type": "patch", "patch": {"encoding": "ctx", "compression": "none", "init_sync": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("config", [PATCH, CTX], ids=["flat", "ctx"])
+async def test_a_sharded_trainers_patches_land_in_place_bit_exact(config):
+    """``ctx`` parts are decoded, in the engine, against their rows read from the parameters."""
     sizes = []
 
     async def check(v, target, receiver, state, apply):
@@ -191,7 +196,7 @@ async def test_a_sharded_trainers_patches_land_in_place_bit_exact():
         wire = target.writes[-1]
         sizes.append(len(wire["patch"]))
 
-    await run(range(1, 5), check)
+    await run(range(1, 5), check, config=config)
     assert len(sizes) == 4 and all(0 < n < 4 * sum(torch.Size(s).numel() for s in SPECS.values()) for n in sizes)
 
 
