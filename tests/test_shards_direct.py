@@ -6,13 +6,19 @@ explorer by in-process channels. Real processes: ``examples/sharded_sync.py --ra
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 import pytest
+import torch
+from anyio import wait_all_tasks_blocked
 
 from aiosync.coordination import Synchronizer
 from aiosync.coordination.shards import ShardPeer
-from aiosync.syncers.common.payloads import ShardPart, ShardRef
-from aiosync.syncers.patch.shards_direct import ShardRoutes
+from aiosync.errors import ConfigError
+from aiosync.messages import Shared
+from aiosync.syncers.common.payloads import ShardFetch, ShardPart, ShardRef
+from aiosync.syncers.patch.shards_direct import PartCache, ShardRoutes
 from aiosync.transports.inproc import inproc_pair
 from helpers import HANG_GUARD, PATCH
 from test_shards import BOUNDS, NCCL, full, holds, pieces, rollout
@@ -118,3 +124,136 @@ async def test_an_explorer_without_routes_refuses_refs_by_name():
     routes = ShardRoutes({1: inproc_pair()[0]})
     with pytest.raises(Exception, match="no route to that rank"):
         await routes.fetch(ShardRef(2, "p1:1", 10))
+
+
+# -- multicast rounds of a rank's patch (PartCache.serve with routes sharing a router) -----------------
+
+
+class _Router:
+    """A multicast router that records its rounds (the names of their routes) and answers each
+    route point to point."""
+
+    def __init__(self) -> None:
+        self.rounds: list[list[str]] = []
+        self.changed = anyio.Event()
+
+    async def send(self, deliveries: list) -> list:
+        self.rounds.append(sorted(t.name for t, _ in deliveries))
+        self.changed.set()
+        self.changed = anyio.Event()
+        for t, payload in deliveries:
+            await t.end.send(payload)
+        return [None] * len(deliveries)
+
+
+class _Route:
+    """A rank's end of one explorer's route, taking part in ``router``'s rounds."""
+
+    def __init__(self, name: str, router: _Router) -> None:
+        self.name, self.router = name, router
+        self.end, self.explorer = inproc_pair(timeout=10)
+
+    async def send(self, payload) -> None:
+        await self.end.send(payload)
+
+    async def recv(self):
+        return await self.end.recv()
+
+    async def fetch(self, key: str):
+        await self.explorer.send(ShardFetch(1, key))
+        answer = await self.explorer.recv()
+        assert answer.key == key and answer.payload is not None, answer
+        return answer.payload
+
+
+async def _serving(names: str, grace: float):
+    """A rank's cache serving one route per name in ``names`` (one router), each explorer
+    bootstrapped from it (one bucket fetched) before patch 1 is put."""
+    cache = PartCache(1, round_grace=grace, timeout=10)
+    router = _Router()
+    routes = {n: _Route(n, router) for n in names}
+    return cache, router, routes
+
+
+async def _bootstrap(cache: PartCache, route: _Route) -> None:
+    refs = []
+
+    async def to_rank0(ref) -> None:
+        refs.append(ref)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cache.bucket, 7, Shared(torch.zeros(4)), to_rank0)
+        await wait_all_tasks_blocked()
+        await route.fetch(refs[0].key)
+
+
+async def test_a_round_goes_out_once_every_due_explorer_asked_not_waiting_for_one_not_due():
+    """Issue 30: a rank's multicast round of a patch starts as soon as the explorers due it asked
+    — an explorer connected over the group but not due it (it joined and was not bootstrapped
+    yet) is not waited for (before: every connected route was, up to a fixed window; here the
+    grace is longer than the test's bound, so that waiting at all fails it)."""
+    cache, router, routes = await _serving("abc", grace=10 * HANG_GUARD)
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for route in routes.values():
+                tg.start_soon(partial(cache.serve, route.send, route.recv, transport=route))
+            for n in "ab":
+                await _bootstrap(cache, routes[n])
+            cache.patch(7, 1, Shared(torch.ones(8)))
+            gate = anyio.Event()  # explorer c fetches only once the round of a and b went out
+            async with anyio.create_task_group() as fetches:
+                for n in "ab":
+                    fetches.start_soon(routes[n].fetch, "p7:1")
+
+                async def late() -> None:
+                    await gate.wait()
+                    await routes["c"].fetch("p7:1")
+
+                fetches.start_soon(late)
+                while not router.rounds:
+                    await router.changed.wait()
+                assert router.rounds == [["a", "b"]] and not gate.is_set()
+                gate.set()
+            assert router.rounds == [["a", "b"], ["c"]]  # c came after its round: point to point
+            assert cache.multicast_rounds == 1 and cache.multicast_answers == 2 and cache.round_late == 0
+            tg.cancel_scope.cancel()
+
+
+async def test_a_late_explorer_costs_one_grace_period_then_rounds_are_whole_again():
+    """A due explorer held back by a gate: the others' round goes out after the grace period
+    without it, its part follows point to point; at the next version it is due again and the
+    round of all three goes out as soon as they asked (no grace spent)."""
+    cache, router, routes = await _serving("abc", grace=0.05)
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for route in routes.values():
+                tg.start_soon(partial(cache.serve, route.send, route.recv, transport=route))
+            for route in routes.values():
+                await _bootstrap(cache, route)
+            cache.patch(7, 1, Shared(torch.ones(8)))
+            gate = anyio.Event()
+            async with anyio.create_task_group() as fetches:
+                for n in "ab":
+                    fetches.start_soon(routes[n].fetch, "p7:1")
+
+                async def late() -> None:
+                    await gate.wait()
+                    await routes["c"].fetch("p7:1")
+
+                fetches.start_soon(late)
+                while not router.rounds:
+                    await router.changed.wait()
+                assert router.rounds == [["a", "b"]] and cache.round_late == 1
+                gate.set()
+            cache.patch(7, 2, Shared(torch.full((8,), 2.0)))
+            async with anyio.create_task_group() as fetches:
+                for route in routes.values():
+                    fetches.start_soon(route.fetch, "p7:2")
+            assert router.rounds == [["a", "b"], ["c"], ["a", "b", "c"]] and cache.round_late == 1
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("grace", [-1, "0.2", None])
+def test_a_bad_round_grace_is_refused_by_name(grace):
+    with pytest.raises(ConfigError, match="round_grace must be a number of seconds >= 0"):
+        ShardPeer({}, inproc_pair()[0], rank=1, names=[], routes=[], round_grace=grace)

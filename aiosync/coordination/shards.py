@@ -53,7 +53,7 @@ from ..errors import (ClosedResourceError, ConfigError, EndOfStream, PeerTimeout
 from ..syncers.base import recv_with_timeout
 from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
-from ..syncers.patch.shards_direct import PartCache
+from ..syncers.patch.shards_direct import ROUND_GRACE, PartCache
 from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
 from .protocol import ShardClose, ShardGo, ShardServe
@@ -82,11 +82,14 @@ class ShardPeer:
     (DTensors, :class:`~aiosync.checkpoints.TensorSlice`). ``rank``: its shard's index among
     the trainer's ranks (default: its torch.distributed rank). ``timeout`` bounds every wait on
     rank 0 (a ``step_done()`` waiting for the end of rank 0's check point, the final drain).
+    ``round_grace``: with routes over a process group, the most seconds a multicast round of this
+    rank's patch waits for a due explorer's fetch after the first one came
+    (:class:`~aiosync.syncers.patch.shards_direct.PartCache`).
     """
 
     def __init__(self, model: Any, transport: Transport, *, rank: int | None = None,
                  names: Iterable[str] | None = None, timeout: float = 600.0,
-                 routes: Iterable[Transport] | None = None) -> None:
+                 routes: Iterable[Transport] | None = None, round_grace: float = ROUND_GRACE) -> None:
         if rank is None:
             import torch.distributed as dist
 
@@ -105,7 +108,9 @@ class ShardPeer:
         #: Direct routes: a channel to each explorer (:mod:`aiosync.syncers.patch.shards_direct`).
         self.routes = list(routes) if routes is not None else None
         if self.routes is not None:
-            self.server.cache = PartCache(rank, timeout=timeout)
+            if isinstance(round_grace, bool) or not isinstance(round_grace, (int, float)) or not round_grace >= 0:
+                raise ConfigError(f"ShardPeer: round_grace must be a number of seconds >= 0, got {round_grace!r}")
+            self.server.cache = PartCache(rank, timeout=timeout, round_grace=round_grace)
         self._go = 0
         self._serving = anyio.Event()
         self._changed = anyio.Event()
