@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -62,6 +62,8 @@ log = logging.getLogger("aiosync.sync")
 
 #: The point-to-point tag of the channels between a trainer's ranks (apart from the explorers').
 SHARD_TAG = 0x5A5D
+
+T = TypeVar("T")
 
 
 def _names(model: Any, names: Iterable[str] | None) -> list[str]:
@@ -258,6 +260,46 @@ class ShardPeers:
         for link in self.links:
             if link.gone is not None:
                 raise link.gone
+
+    async def unless_lost(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``, ended at once with :class:`~aiosync.errors.TrainerRankLostError`
+        naming the rank when one is gone meanwhile: its channel failed in a conversation, or
+        its transport says it broke (a transport with ``wait_broken()``, e.g.
+        :class:`~aiosync.transports.ray.RayChannel`: its actor died or its node was lost) — not
+        after the deliveries' bounds. A lost rank wins over the error ``call`` met meanwhile
+        (which it explains); any other error is raised as it is."""
+        self.check()
+        result: Any = None
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch, tg.cancel_scope)
+            try:
+                result = await call()
+            except Exception as exc:  # raised below as it is, not inside an exception group
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        self.check()
+        if error is not None:
+            raise error
+        return result
+
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        """Cancel ``scope`` once a rank is gone (``lost``); a link whose transport can tell that it
+        broke is made gone when it does."""
+        async with anyio.create_task_group() as tg:
+            for transport, link in zip(self.transports, self.links):
+                wait_broken = getattr(transport, "wait_broken", None)
+                if callable(wait_broken):
+                    tg.start_soon(self._broken, link, wait_broken)
+            await self.lost.wait()
+            tg.cancel_scope.cancel()
+        scope.cancel()
+
+    @staticmethod
+    async def _broken(link: ShardLink, wait_broken: Callable[[], Awaitable[BaseException]]) -> None:
+        why = await wait_broken()
+        link.gone_now(why, "(its transport says it broke)")
 
     async def go(self, step: int) -> None:
         """Rank 0's check point of ``step`` is over: every rank trains on. Then a rank that is
