@@ -181,7 +181,8 @@ def test_the_sharded_example_runs_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert list(report) == ["ranks", "explorers", "steps", "bit_exact", "gathered_bytes", "encodes_per_version",
                             "sender_sync_bytes_per_rank", "full_snapshot_bytes", "seconds", "routes", "relayed_bytes",
-                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes"]
+                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes",
+                            "rank_round_wait_s", "rank_round_late"]
     # direct routes (the default): rank 1's patches went to the explorers in rank 0's process from rank 1
     assert report["routes"] == "direct" and report["relayed_bytes"] == 0
     for patch, sent in zip(report["rank_patch_bytes"], report["rank_sent_bytes"]):
