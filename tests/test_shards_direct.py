@@ -6,6 +6,7 @@ explorer by in-process channels. Real processes: ``examples/sharded_sync.py --ra
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import anyio
@@ -166,25 +167,49 @@ class _Route:
         return answer.payload
 
 
-async def _serving(names: str, grace: float):
-    """A rank's cache serving one route per name in ``names`` (one router), each explorer
-    bootstrapped from it (one bucket fetched) before patch 1 is put."""
-    cache = PartCache(1, round_grace=grace, timeout=10)
-    router = _Router()
+@contextlib.asynccontextmanager
+async def _served(names: str, grace: float, bootstrapped: str):
+    """A rank's cache (``round_grace`` ``grace``) serving one route per name in ``names``, all
+    sharing one router; the explorers in ``bootstrapped`` fetched a bucket of lineage 7 from it
+    (the others joined but were not bootstrapped yet); then patch 1 of lineage 7 is put."""
+    cache, router = PartCache(1, round_grace=grace, timeout=10), _Router()
     routes = {n: _Route(n, router) for n in names}
-    return cache, router, routes
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for route in routes.values():
+                tg.start_soon(partial(cache.serve, route.send, route.recv, transport=route))
+            for n in bootstrapped:
+                refs: list = []
+                tg.start_soon(cache.bucket, 7, Shared(torch.zeros(4)), partial(_append, refs))
+                await wait_all_tasks_blocked()
+                await routes[n].fetch(refs[0].key)
+            cache.patch(7, 1, Shared(torch.ones(8)))
+            yield cache, router, routes
+            tg.cancel_scope.cancel()
 
 
-async def _bootstrap(cache: PartCache, route: _Route) -> None:
-    refs = []
+async def _append(to: list, item) -> None:
+    to.append(item)
 
-    async def to_rank0(ref) -> None:
-        refs.append(ref)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(cache.bucket, 7, Shared(torch.zeros(4)), to_rank0)
-        await wait_all_tasks_blocked()
-        await route.fetch(refs[0].key)
+async def _c_held_back(router: _Router, routes: dict, key: str) -> list:
+    """Explorers a and b fetch ``key`` while c waits behind a gate, opened once the first round
+    went out; returns the rounds sent before the gate opened."""
+    gate = anyio.Event()
+
+    async def late() -> None:
+        await gate.wait()
+        await routes["c"].fetch(key)
+
+    async with anyio.create_task_group() as fetches:
+        for n in "ab":
+            fetches.start_soon(routes[n].fetch, key)
+        fetches.start_soon(late)
+        while not router.rounds:
+            await router.changed.wait()
+        before = list(router.rounds)
+        gate.set()
+    return before
 
 
 async def test_a_round_goes_out_once_every_due_explorer_asked_not_waiting_for_one_not_due():
@@ -192,65 +217,23 @@ async def test_a_round_goes_out_once_every_due_explorer_asked_not_waiting_for_on
     — an explorer connected over the group but not due it (it joined and was not bootstrapped
     yet) is not waited for (before: every connected route was, up to a fixed window; here the
     grace is longer than the test's bound, so that waiting at all fails it)."""
-    cache, router, routes = await _serving("abc", grace=10 * HANG_GUARD)
-    with anyio.fail_after(HANG_GUARD):
-        async with anyio.create_task_group() as tg:
-            for route in routes.values():
-                tg.start_soon(partial(cache.serve, route.send, route.recv, transport=route))
-            for n in "ab":
-                await _bootstrap(cache, routes[n])
-            cache.patch(7, 1, Shared(torch.ones(8)))
-            gate = anyio.Event()  # explorer c fetches only once the round of a and b went out
-            async with anyio.create_task_group() as fetches:
-                for n in "ab":
-                    fetches.start_soon(routes[n].fetch, "p7:1")
-
-                async def late() -> None:
-                    await gate.wait()
-                    await routes["c"].fetch("p7:1")
-
-                fetches.start_soon(late)
-                while not router.rounds:
-                    await router.changed.wait()
-                assert router.rounds == [["a", "b"]] and not gate.is_set()
-                gate.set()
-            assert router.rounds == [["a", "b"], ["c"]]  # c came after its round: point to point
-            assert cache.multicast_rounds == 1 and cache.multicast_answers == 2 and cache.round_late == 0
-            tg.cancel_scope.cancel()
+    async with _served("abc", 10 * HANG_GUARD, bootstrapped="ab") as (cache, router, routes):
+        assert await _c_held_back(router, routes, "p7:1") == [["a", "b"]]
+        assert router.rounds == [["a", "b"], ["c"]]  # c came after its round: point to point
+        assert cache.multicast_rounds == 1 and cache.multicast_answers == 2 and cache.round_late == 0
 
 
 async def test_a_late_explorer_costs_one_grace_period_then_rounds_are_whole_again():
     """A due explorer held back by a gate: the others' round goes out after the grace period
     without it, its part follows point to point; at the next version it is due again and the
     round of all three goes out as soon as they asked (no grace spent)."""
-    cache, router, routes = await _serving("abc", grace=0.05)
-    with anyio.fail_after(HANG_GUARD):
-        async with anyio.create_task_group() as tg:
+    async with _served("abc", 0.05, bootstrapped="abc") as (cache, router, routes):
+        assert await _c_held_back(router, routes, "p7:1") == [["a", "b"]] and cache.round_late == 1
+        cache.patch(7, 2, Shared(torch.full((8,), 2.0)))
+        async with anyio.create_task_group() as fetches:
             for route in routes.values():
-                tg.start_soon(partial(cache.serve, route.send, route.recv, transport=route))
-            for route in routes.values():
-                await _bootstrap(cache, route)
-            cache.patch(7, 1, Shared(torch.ones(8)))
-            gate = anyio.Event()
-            async with anyio.create_task_group() as fetches:
-                for n in "ab":
-                    fetches.start_soon(routes[n].fetch, "p7:1")
-
-                async def late() -> None:
-                    await gate.wait()
-                    await routes["c"].fetch("p7:1")
-
-                fetches.start_soon(late)
-                while not router.rounds:
-                    await router.changed.wait()
-                assert router.rounds == [["a", "b"]] and cache.round_late == 1
-                gate.set()
-            cache.patch(7, 2, Shared(torch.full((8,), 2.0)))
-            async with anyio.create_task_group() as fetches:
-                for route in routes.values():
-                    fetches.start_soon(route.fetch, "p7:2")
-            assert router.rounds == [["a", "b"], ["c"], ["a", "b", "c"]] and cache.round_late == 1
-            tg.cancel_scope.cancel()
+                fetches.start_soon(route.fetch, "p7:2")
+        assert router.rounds == [["a", "b"], ["c"], ["a", "b", "c"]] and cache.round_late == 1
 
 
 @pytest.mark.parametrize("grace", [-1, "0.2", None])
