@@ -1,6 +1,12 @@
 """Small asyncio helpers: awaitable CUDA events (S11), off-loop execution (S13), and the CUDA
 context (device and streams) that work carried into a worker thread runs under.
 
+Off-loop work runs on aiosync's own worker threads (:func:`run_sync`), at a lower scheduling
+priority than the rest of the process (``nice`` + :data:`WORKER_NICE`, Linux): on a host with
+few cores the bulk work of a sync (hashing, copies, file writes, frees) keeps every core busy,
+and the event loop's thread, woken by a timer or a socket, would otherwise wait for a time
+slice behind it. Set ``AIOSYNC_WORKER_NICE=0`` to run them at the process's own priority.
+
 CUDA's current device and current stream are per thread: a worker thread starts on device 0
 and its default stream, whatever the caller had. :func:`run_sync` therefore captures the
 caller's current device and each device's current stream (:class:`CudaContext`) and runs the
@@ -12,18 +18,23 @@ worker, until the GPU work queued for a set of tensors is done (before a version
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
-from .errors import PeerTimeoutError
+from .errors import ConfigError, PeerTimeoutError
 
 T = TypeVar("T")
 
@@ -170,15 +181,95 @@ def _cuda_devices(tensors: Iterable[Any]) -> set:
     return {t.device for t in tensors if getattr(t, "is_cuda", False)}
 
 
-async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn(*args, **kwargs)`` in a worker thread and await its result.
+def _worker_nice() -> int:
+    raw = os.environ.get("AIOSYNC_WORKER_NICE", "10")
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ConfigError(f"AIOSYNC_WORKER_NICE must be an integer from 0 (aiosync's worker threads at the process's "
+                          f"own priority) to 19 (the lowest), got {raw!r}; unset it for the default, 10")
+    return nice
 
-    Heavy tensor work goes through here so that it never runs on the event-loop thread.
-    The call is not abandoned on cancellation: a cancelled caller still waits for the
-    thread, so state it mutates is never left half-written behind the caller's back.
-    The work runs under the caller's CUDA device and current streams (:class:`CudaContext`).
+
+#: How much lower than the process's main thread aiosync's worker threads run (a ``nice``
+#: increment; ``AIOSYNC_WORKER_NICE``, default 10, 0 = the same priority). Lowering a thread's
+#: priority needs no privilege; raising it back would, so only aiosync's own threads get it.
+WORKER_NICE = _worker_nice()
+#: aiosync's worker threads, at most (as many as anyio's default thread limiter allows).
+MAX_WORKERS = 40
+
+_local = threading.local()
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's scheduling priority to the main thread's + :data:`WORKER_NICE`
+    (call it at the start of a thread of aiosync's own; never on the event loop's thread). A
+    no-op where threads have no priority of their own (not Linux) or it is already that low."""
+    if not WORKER_NICE or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + WORKER_NICE)
+        if os.getpriority(os.PRIO_PROCESS, tid) < want:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
+    except OSError:  # pragma: no cover - a sandbox that forbids it: run at the same priority
+        pass
+
+
+def _workers() -> ThreadPoolExecutor | None:
+    global _pool
+    if not WORKER_NICE:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="aiosync-worker", initializer=lower_priority)
+        return _pool
+
+
+def _on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # another backend (trio): anyio's threads
+        return False
+    return True
+
+
+def worker_token() -> Any:
+    """The event-loop token of the :func:`run_sync` call the calling thread is running, else
+    ``None``: ``anyio.from_thread.run(fn, token=worker_token())`` gets back to that loop from
+    an aiosync worker thread (an anyio worker thread needs no token)."""
+    return getattr(_local, "token", None)
+
+
+async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` in one of aiosync's worker threads and await its result.
+
+    Heavy tensor work goes through here so that it never runs on the event-loop thread, and
+    at a lower priority than that thread (:data:`WORKER_NICE`). The call is not abandoned on
+    cancellation: a cancelled caller still waits for the thread, so state it mutates is never
+    left half-written behind the caller's back. The work runs under the caller's CUDA device
+    and current streams (:class:`CudaContext`).
     """
-    return await anyio.to_thread.run_sync(bind_cuda(functools.partial(fn, *args, **kwargs)))
+    work = bind_cuda(functools.partial(fn, *args, **kwargs))
+    pool = _workers()
+    if pool is None or not _on_asyncio():
+        return await anyio.to_thread.run_sync(work)
+    token = anyio.lowlevel.current_token()
+
+    def run() -> T:
+        _local.token = token
+        try:
+            return work()
+        finally:
+            _local.token = None
+
+    future = asyncio.wrap_future(pool.submit(run))
+    with anyio.CancelScope(shield=True):
+        return await future
 
 
 @contextlib.asynccontextmanager

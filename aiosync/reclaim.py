@@ -214,6 +214,9 @@ _thread: threading.Thread | None = None
 
 
 def _reclaimer() -> None:
+    from .aio import lower_priority
+
+    lower_priority()
     while True:
         box = _queue.get()
         try:

@@ -131,7 +131,8 @@ def test_no_import_cycles():
 #: of ``patch``.
 SYNCER_FAMILIES = ["kernels", "common", "snapshot", "bucket", "patch"]
 #: What each family may import of aiosync outside ``aiosync.syncers`` (the kernels: nothing at all).
-SYNCER_OUTSIDE = {"kernels": set(), "common": {"errors", "messages", "aio", "dtypes", "pieces", "_strict", "reclaim"}}
+# kernels: their loader thread runs at aiosync's worker priority (aio.lower_priority)
+SYNCER_OUTSIDE = {"kernels": {"aio"}, "common": {"errors", "messages", "aio", "dtypes", "pieces", "_strict", "reclaim"}}
 SYNCERS_TOP = 10  # entries at the top of aiosync/syncers (modules and sub-packages)
 
 

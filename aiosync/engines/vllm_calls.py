@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 
-from ..aio import run_sync
+from ..aio import run_sync, worker_token
 from ..errors import ApplyError, ConfigError, PeerTimeoutError
 
 
@@ -312,7 +312,7 @@ class AsyncCalls(EngineCalls):
             return await self.worker(name, *args)
 
         try:
-            return anyio.from_thread.run(run)
+            return anyio.from_thread.run(run, token=worker_token())
         except RuntimeError as exc:
             if "worker thread" not in str(exc) and "event loop" not in str(exc):
                 raise

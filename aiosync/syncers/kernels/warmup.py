@@ -190,6 +190,9 @@ class _Loader:
         return tuple(sorted({w for w, _ in todo})), any(c for _, c in todo)
 
     def _run(self) -> None:
+        from ...aio import lower_priority
+
+        lower_priority()  # this thread and the compiling child it starts yield to the event loop
         while True:
             with self.lock:
                 widths, ctx = self._todo()

@@ -212,7 +212,10 @@ def _codec_pool():
         import os
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="aiosync-encode")
+        from ...aio import lower_priority
+
+        _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="aiosync-encode",
+                                   initializer=lower_priority)
     return _POOL
 
 
