@@ -75,7 +75,7 @@ from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import SHARD_TAG, ShardPeer
 from aiosync.syncers import gather_full_state
 from aiosync.syncers.patch.shard_layout import shard_layout
-from aiosync.syncers.patch.shards_direct import ShardRoutes
+from aiosync.syncers.patch.shards_direct import ROUND_GRACE, ShardRoutes
 from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
 from aiosync.transports.distributed import WeightSyncGroup
 
@@ -178,7 +178,8 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
     else:
         explorer_ranks = range(args.ranks, group.world_size) if args.ranks < group.world_size else [0]
         routes = [group.transport(x, tag=ROUTE_TAG) for x in explorer_ranks] if args.routes == "direct" else None
-        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout, routes=routes) as peer:
+        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout, routes=routes,
+                             round_grace=args.round_grace) as peer:
             await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every trainer rank starts together
             builds0, build_s0 = peer.server.builds, peer.server.build_s
             for step in range(1, args.steps + 1):
@@ -429,6 +430,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--routes", choices=("direct", "relay"), default="direct",
                         help="direct: every rank sends its own parts to the explorers; relay: through rank 0")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait on a peer may take")
+    parser.add_argument("--round-grace", type=float, default=ROUND_GRACE, metavar="S",
+                        help="ShardPeer(round_grace=S): the most a rank's multicast round waits for a due explorer")
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # an explorer rank's own process
     args = parser.parse_args(argv)
