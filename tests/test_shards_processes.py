@@ -181,7 +181,8 @@ def test_the_sharded_example_runs_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert list(report) == ["ranks", "explorers", "steps", "bit_exact", "gathered_bytes", "encodes_per_version",
                             "sender_sync_bytes_per_rank", "full_snapshot_bytes", "seconds", "routes", "relayed_bytes",
-                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes"]
+                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes",
+                            "rank_round_wait_s", "rank_round_late"]
     # direct routes (the default): rank 1's patches went to the explorers in rank 0's process from rank 1
     assert report["routes"] == "direct" and report["relayed_bytes"] == 0
     for patch, sent in zip(report["rank_patch_bytes"], report["rank_sent_bytes"]):
@@ -202,9 +203,11 @@ def test_each_rank_multicasts_its_parts_to_explorers_in_processes_of_their_own(t
     steps = 3
     cmd = [torchrun, "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "sharded_sync.py"),
            "--ranks", "2", "--explorers", "2", "--steps", str(steps), "--d-model", "64", "--layers", "2",
-           "--vocab", "101", "--json", str(out)]
+           "--vocab", "101", "--round-grace", "10", "--json", str(out)]  # a loaded host: rounds wait for both
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOIN_BOUND, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["bit_exact"] is True and report["relayed_bytes"] == 0
     assert report["rank_multicast_rounds"][1] >= 1 and report["rank_broadcast_bytes"][1] > 0
+    # the rounds waited only for explorers due them, who came: none went out at its grace period
+    assert report["rank_round_late"] == [None, 0]
