@@ -51,7 +51,8 @@ explorer holding it or a newer one); ``bit_exact`` is then about the survivors.
 With explorers in processes of their own and direct routes, every rank answers the explorers'
 fetches of a patch in one multicast round when several take it at once (the patch's bytes
 broadcast once over a group of that rank and those explorers): the report adds per rank
-``rank_multicast_rounds`` and ``rank_broadcast_bytes``.
+``rank_multicast_rounds`` and ``rank_broadcast_bytes``, and per rank but 0 ``rank_round_wait_s``
+and ``rank_round_late`` (see :class:`~aiosync.syncers.patch.shards_direct.PartCache`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from aiosync.coordination import Explorer, Synchronizer
 from aiosync.coordination.shards import SHARD_TAG, ShardPeer
 from aiosync.syncers import gather_full_state
 from aiosync.syncers.patch.shard_layout import shard_layout
-from aiosync.syncers.patch.shards_direct import ShardRoutes
+from aiosync.syncers.patch.shards_direct import ROUND_GRACE, ShardRoutes
 from aiosync.syncers.common.state_dicts import collect_param_names_need_sync, gathered_bytes
 from aiosync.transports.distributed import WeightSyncGroup
 
@@ -177,7 +178,8 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
     else:
         explorer_ranks = range(args.ranks, group.world_size) if args.ranks < group.world_size else [0]
         routes = [group.transport(x, tag=ROUTE_TAG) for x in explorer_ranks] if args.routes == "direct" else None
-        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout, routes=routes) as peer:
+        async with ShardPeer(model, group.transport(0, tag=SHARD_TAG), timeout=args.timeout, routes=routes,
+                             round_grace=args.round_grace) as peer:
             await anyio.to_thread.run_sync(dist.barrier, fsdp_group)  # every trainer rank starts together
             builds0, build_s0 = peer.server.builds, peer.server.build_s
             for step in range(1, args.steps + 1):
@@ -190,6 +192,8 @@ async def run(args, group: WeightSyncGroup, fsdp_group) -> dict:
             report["patch_bytes"] = peer.server.patch_bytes
             report["sent_bytes"] = cache.sent_patch_bytes if cache is not None else peer.server.patch_bytes
             report["multicast_rounds"] = cache.multicast_rounds if cache is not None else 0
+            report["round_wait_s"] = cache.round_wait_s if cache is not None else 0.0
+            report["round_late"] = cache.round_late if cache is not None else 0
             report["broadcast_bytes"] = group.multicast.statistics().bytes_broadcast
     report["seconds"] = time.perf_counter() - t0
     report["gathered"] = gathered_bytes() - gathered0
@@ -389,7 +393,10 @@ def routes_report(args, trainers: list[dict], explorers: list[dict]) -> dict:
     every explorer fetched from it — or, relayed, its patches once, to rank 0), and per rank its
     multicast rounds (``rank_multicast_rounds``: rank 0 its sync packets', another rank its
     patches' — answered to several explorers' processes at once) and the bytes it broadcast in
-    them (``rank_broadcast_bytes``: sent once however many explorers took them)."""
+    them (``rank_broadcast_bytes``: sent once however many explorers took them); per rank but 0
+    the seconds its rounds' first fetches waited for the other explorers due them, in all
+    (``rank_round_wait_s``), and its rounds that went out without a due explorer after the grace
+    period (``rank_round_late``); rank 0's rounds are the fan-out's (``null`` there)."""
     if args.mode == "gather":
         return {}
     rank0 = trainers[0]
@@ -398,7 +405,9 @@ def routes_report(args, trainers: list[dict], explorers: list[dict]) -> dict:
             "rank_sent_bytes": [int(rank0["packet_bytes"] + sum(e["packet_bytes"] for e in explorers))]
             + [int(r["sent_bytes"]) for r in trainers[1:]],
             "rank_multicast_rounds": [int(r["multicast_rounds"]) for r in trainers],
-            "rank_broadcast_bytes": [int(r["broadcast_bytes"]) for r in trainers]}
+            "rank_broadcast_bytes": [int(r["broadcast_bytes"]) for r in trainers],
+            "rank_round_wait_s": [None] + [round(r["round_wait_s"], 4) for r in trainers[1:]],
+            "rank_round_late": [None] + [int(r["round_late"]) for r in trainers[1:]]}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -421,6 +430,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--routes", choices=("direct", "relay"), default="direct",
                         help="direct: every rank sends its own parts to the explorers; relay: through rank 0")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait on a peer may take")
+    parser.add_argument("--round-grace", type=float, default=ROUND_GRACE, metavar="S",
+                        help="ShardPeer(round_grace=S): the most a rank's multicast round waits for a due explorer")
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # an explorer rank's own process
     args = parser.parse_args(argv)

@@ -341,6 +341,91 @@ async def test_a_lost_rank_ends_the_trainer_with_an_error_naming_it():
     assert lost.value.rank == 2 and "trainer rank 2 is gone" in str(lost.value)
 
 
+class _Breaking:
+    """Rank 0's end of a channel to a rank whose transport can tell that it broke (as a
+    ``RayChannel``'s ``wait_broken()`` does when the rank's actor dies) — here when ``dies`` is set."""
+
+    def __init__(self, end) -> None:
+        self.end, self.dies = end, anyio.Event()
+        self.send, self.recv = end.send, end.recv
+
+    async def wait_broken(self) -> Exception:
+        await self.dies.wait()
+        return ConnectionError("the rank's actor died (test)")
+
+
+async def _lose_rank_2(when: str, *, steps: int = 0, config: dict | None = None, hang: bool = False) -> tuple:
+    """Rank 2 serves the explorer's bootstrap (and ``steps`` steps), then its process dies —
+    its channel closes, or (``hang``) it stops answering and only its transport says it broke;
+    then rank 0 calls ``when`` (``"sync_weight"`` or ``"stop"``). Returns the error raised
+    leaving the synchronizer, where rank 0 first saw it, and the trainer."""
+    t = Trainer(buffer=math.inf)
+    if hang:  # every other bound is longer than the test's: only the transport's signal can end it
+        t.pairs[1] = inproc_pair(timeout=4 * HANG_GUARD)
+        t.peers[1] = ShardPeer(pieces(t.state, 2), t.pairs[1][1], rank=2, names=list(t.state), timeout=4 * HANG_GUARD)
+    rank0_end = _Breaking(t.pairs[1][0])
+    t.gates = {v: anyio.Event() for v in range(1, steps + 2)}
+    attached, first = anyio.Event(), []
+    cfg = dict(config or NCCL, sync_timeout=4 * HANG_GUARD, delivery_timeout=4 * HANG_GUARD) if hang else config
+
+    async def dying_rank(peer: ShardPeer) -> None:
+        with anyio.CancelScope() as scope:
+            async with peer:
+                await attached.wait()
+                for v in range(1, steps + 1):
+                    await t.gates[v].wait()
+                    await peer.step_done()
+                if not hang:
+                    t.pairs[1][1].close()
+                scope.cancel()
+        rank0_end.dies.set()
+
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(t.run_peer, t.peers[0], steps + 1)
+            tg.start_soon(dying_rank, t.peers[1])
+            with pytest.raises(TrainerRankLostError) as lost:
+                async with Synchronizer(cfg or NCCL, PATCH) as sync:
+                    trainer = await sync.attach_trainer(pieces(t.state, 0), param_names=list(t.state),
+                                                        shard_peers=[t.pairs[0][0], rank0_end])
+                    await sync.attach_explorer("e0", rollout())
+                    attached.set()
+                    for v in range(1, steps + 1):
+                        t.train_to(v)
+                        t.gates[v].set()
+                        await trainer.step_done()
+                    await rank0_end.dies.wait()
+                    t.train_to(steps + 1)
+                    try:
+                        await (trainer.sync_weight() if when == "sync_weight" else trainer.stop())
+                    except TrainerRankLostError:
+                        first.append(when)
+                        raise
+            tg.cancel_scope.cancel()  # rank 1 waits for a step that never comes
+    return lost.value, first, trainer
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["closed", "transport_says"])
+async def test_a_rank_lost_before_a_direct_sync_weight_is_named_by_it(hang):
+    """Issue 30: a sharded trainer's direct ``sync_weight()`` (not ``step_done``) with a rank
+    gone raises TrainerRankLostError naming it, at once — its channel closed, or (``hang``) the
+    rank only stopped answering and its transport says it broke (before: the sync's deliveries
+    failed and were repaired until their bounds, naming no rank; with ``hang`` every bound is
+    longer than the test's)."""
+    lost, first, _ = await _lose_rank_2("sync_weight", hang=hang)
+    assert first == ["sync_weight"] and lost.rank == 2 and "trainer rank 2 is gone" in str(lost)
+    if hang:
+        assert "its transport says it broke" in str(lost) and "actor died" in str(lost)
+
+
+async def test_a_rank_lost_before_stop_is_named_by_stop_which_still_stops():
+    """``stop()`` publishing the steps trained since the last sync, with a rank gone: it raises
+    TrainerRankLostError naming the rank, and the trainer is stopped all the same."""
+    lost, first, trainer = await _lose_rank_2("stop", steps=1, config=dict(NCCL, sync_interval=2))
+    assert first == ["stop"] and lost.rank == 2
+    assert trainer.status.name == "STOPPED"
+
+
 async def _serve(server: ShardServer, end) -> None:
     while True:
         await server.handle(await end.recv())

@@ -158,14 +158,20 @@ def test_fsdp2_trainer_on_two_ranks_syncs_shard_locally_to_two_remote_explorers(
     assert r0["gathered"] == 0 and r1["gathered"] == 0  # no rank materialised another rank's shard
     assert r0["rows"][1]["emb.weight"] == [19, 18] and "gate" not in r0["rows"][1]  # uneven; an empty piece
     # every shard built and encoded once per version, for both explorers (which live in other processes)
-    # (+ each lineage's first packet: explorers that join at once each start one, merged at the next build)
-    assert r0["fanout"]["builds"] == steps and r1["builds"] == steps + r0["fanout"]["lineages_created"]
+    # (+ each lineage's first packet: explorers that join at once each start one, merged at a later
+    # build — which one depends on when each explorer's first delivery ran, so a build or two more)
+    lineages = r0["fanout"]["lineages_created"]
+    assert steps <= r0["fanout"]["builds"] <= steps + lineages - 1
+    assert steps + 1 <= r1["builds"] <= steps + lineages
     assert r1["encodes"] == steps  # rank 1's patches, encoded on rank 1...
     assert r0["relayed"] == 2 * steps  # ...and sent on by rank 0, to both explorers, as the bytes they came in
     assert r0["encodes"] == steps  # rank 0's own shard: one encode per version
-    # both shards of every version went to both explorers in one round: one broadcast each
-    assert r0["fanout"]["multicast_rounds"] == steps and r0["multicast"]["broadcasts"] == 2 * steps
-    assert r[2]["broadcasts"] == r[3]["broadcasts"] == 2 * steps
+    # both shards of a version went to both explorers in one round (one broadcast each) whenever both
+    # explorers' deliveries were under way together (on a loaded host one may start after the other
+    # was sent, point to point): most versions, and never more rounds than versions
+    rounds = r0["fanout"]["multicast_rounds"]
+    assert steps // 2 <= rounds <= steps and r0["multicast"]["broadcasts"] == 2 * rounds
+    assert r[2]["broadcasts"] == r[3]["broadcasts"] == 2 * rounds
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
@@ -181,7 +187,8 @@ def test_the_sharded_example_runs_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert list(report) == ["ranks", "explorers", "steps", "bit_exact", "gathered_bytes", "encodes_per_version",
                             "sender_sync_bytes_per_rank", "full_snapshot_bytes", "seconds", "routes", "relayed_bytes",
-                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes"]
+                            "rank_patch_bytes", "rank_sent_bytes", "rank_multicast_rounds", "rank_broadcast_bytes",
+                            "rank_round_wait_s", "rank_round_late"]
     # direct routes (the default): rank 1's patches went to the explorers in rank 0's process from rank 1
     assert report["routes"] == "direct" and report["relayed_bytes"] == 0
     for patch, sent in zip(report["rank_patch_bytes"], report["rank_sent_bytes"]):
@@ -202,9 +209,11 @@ def test_each_rank_multicasts_its_parts_to_explorers_in_processes_of_their_own(t
     steps = 3
     cmd = [torchrun, "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "sharded_sync.py"),
            "--ranks", "2", "--explorers", "2", "--steps", str(steps), "--d-model", "64", "--layers", "2",
-           "--vocab", "101", "--json", str(out)]
+           "--vocab", "101", "--round-grace", "10", "--json", str(out)]  # a loaded host: rounds wait for both
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOIN_BOUND, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["bit_exact"] is True and report["relayed_bytes"] == 0
     assert report["rank_multicast_rounds"][1] >= 1 and report["rank_broadcast_bytes"][1] > 0
+    # the rounds waited only for explorers due them, who came: none went out at its grace period
+    assert report["rank_round_late"] == [None, 0]

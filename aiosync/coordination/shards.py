@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -53,7 +53,7 @@ from ..errors import (ClosedResourceError, ConfigError, EndOfStream, PeerTimeout
 from ..syncers.base import recv_with_timeout
 from ..syncers.common.payloads import ShardHello
 from ..syncers.patch.shards import ShardLink, ShardServer
-from ..syncers.patch.shards_direct import PartCache
+from ..syncers.patch.shards_direct import ROUND_GRACE, PartCache
 from ..syncers.common.state_dicts import collect_param_names_need_sync, module_state_dict
 from ..transports.base import Transport
 from .protocol import ShardClose, ShardGo, ShardServe
@@ -62,6 +62,8 @@ log = logging.getLogger("aiosync.sync")
 
 #: The point-to-point tag of the channels between a trainer's ranks (apart from the explorers').
 SHARD_TAG = 0x5A5D
+
+T = TypeVar("T")
 
 
 def _names(model: Any, names: Iterable[str] | None) -> list[str]:
@@ -82,11 +84,14 @@ class ShardPeer:
     (DTensors, :class:`~aiosync.checkpoints.TensorSlice`). ``rank``: its shard's index among
     the trainer's ranks (default: its torch.distributed rank). ``timeout`` bounds every wait on
     rank 0 (a ``step_done()`` waiting for the end of rank 0's check point, the final drain).
+    ``round_grace``: with routes over a process group, the most seconds a multicast round of this
+    rank's patch waits for a due explorer's fetch after the first one came
+    (:class:`~aiosync.syncers.patch.shards_direct.PartCache`).
     """
 
     def __init__(self, model: Any, transport: Transport, *, rank: int | None = None,
                  names: Iterable[str] | None = None, timeout: float = 600.0,
-                 routes: Iterable[Transport] | None = None) -> None:
+                 routes: Iterable[Transport] | None = None, round_grace: float = ROUND_GRACE) -> None:
         if rank is None:
             import torch.distributed as dist
 
@@ -105,7 +110,9 @@ class ShardPeer:
         #: Direct routes: a channel to each explorer (:mod:`aiosync.syncers.patch.shards_direct`).
         self.routes = list(routes) if routes is not None else None
         if self.routes is not None:
-            self.server.cache = PartCache(rank, timeout=timeout)
+            if isinstance(round_grace, bool) or not isinstance(round_grace, (int, float)) or not round_grace >= 0:
+                raise ConfigError(f"ShardPeer: round_grace must be a number of seconds >= 0, got {round_grace!r}")
+            self.server.cache = PartCache(rank, timeout=timeout, round_grace=round_grace)
         self._go = 0
         self._serving = anyio.Event()
         self._changed = anyio.Event()
@@ -253,6 +260,46 @@ class ShardPeers:
         for link in self.links:
             if link.gone is not None:
                 raise link.gone
+
+    async def unless_lost(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``, ended at once with :class:`~aiosync.errors.TrainerRankLostError`
+        naming the rank when one is gone meanwhile: its channel failed in a conversation, or
+        its transport says it broke (a transport with ``wait_broken()``, e.g.
+        :class:`~aiosync.transports.ray.RayChannel`: its actor died or its node was lost) — not
+        after the deliveries' bounds. A lost rank wins over the error ``call`` met meanwhile
+        (which it explains); any other error is raised as it is."""
+        self.check()
+        result: Any = None
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch, tg.cancel_scope)
+            try:
+                result = await call()
+            except Exception as exc:  # raised below as it is, not inside an exception group
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        self.check()
+        if error is not None:
+            raise error
+        return result
+
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        """Cancel ``scope`` once a rank is gone (``lost``); a link whose transport can tell that it
+        broke is made gone when it does."""
+        async with anyio.create_task_group() as tg:
+            for transport, link in zip(self.transports, self.links):
+                wait_broken = getattr(transport, "wait_broken", None)
+                if callable(wait_broken):
+                    tg.start_soon(self._broken, link, wait_broken)
+            await self.lost.wait()
+            tg.cancel_scope.cancel()
+        scope.cancel()
+
+    @staticmethod
+    async def _broken(link: ShardLink, wait_broken: Callable[[], Awaitable[BaseException]]) -> None:
+        why = await wait_broken()
+        link.gone_now(why, "(its transport says it broke)")
 
     async def go(self, step: int) -> None:
         """Rank 0's check point of ``step`` is over: every rank trains on. Then a rank that is

@@ -16,13 +16,13 @@ import logging
 import time
 
 import anyio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from ..errors import PeerTimeoutError, StateTransitionError, VersionError
+from ..errors import PeerTimeoutError, StateTransitionError, TrainerRankLostError, VersionError
 from .delivery import DeliveryLine
 from .hub import Hub
 from .metrics import RunningStat, Series
@@ -32,6 +32,8 @@ from .states import RunningStatus, StatusCell
 from .styles import SyncMethod, SyncStyle, trainer_step_syncs
 
 log = logging.getLogger("aiosync.sync")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,13 @@ class TrainerHandle:
         version have applied it; the first sync always waits. A waiting sync first waits for
         outstanding background applies (S9). With NCCL the trainer's weights must not change
         until this returns (a cancelled call still waits for the builds reading them).
+
+        A sharded trainer's rank that is gone meanwhile ends it at once with
+        :class:`~aiosync.errors.TrainerRankLostError` naming the rank.
         """
+        return await self._unless_a_rank_is_lost(lambda: self._sync_weight(version, wait=wait))
+
+    async def _sync_weight(self, version: int | None, *, wait: bool | None) -> dict[str, Any]:
         if self.state.status is RunningStatus.STOPPED:
             raise StateTransitionError("trainer: sync_weight after stop()")
         hub, cfg = self.hub, self.hub.config
@@ -286,7 +294,7 @@ class TrainerHandle:
         try:
             synced = self.need_sync()
             if synced:
-                await self._unless_a_rank_is_lost(self.sync_weight)
+                await self.sync_weight()
         except anyio.get_cancelled_exc_class():
             if self.version == published:
                 self.step -= 1
@@ -299,24 +307,13 @@ class TrainerHandle:
         await self._ranks_go()
         return synced
 
-    async def _unless_a_rank_is_lost(self, sync: Any) -> None:
-        """Run ``sync()``; a sharded trainer's rank that is gone meanwhile (its channel failed)
-        ends it at once with :class:`~aiosync.errors.TrainerRankLostError` naming the rank — its
-        deliveries would otherwise be repaired, each failing, until their bounds."""
+    async def _unless_a_rank_is_lost(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``; a sharded trainer's rank that is gone meanwhile (its channel failed, or
+        its transport says it broke) ends it at once with
+        :class:`~aiosync.errors.TrainerRankLostError` naming the rank — its deliveries would
+        otherwise be repaired, each failing, until their bounds (``ShardPeers.unless_lost``)."""
         peers = self.hub.shard_peers
-        if peers is None:
-            await sync()
-            return
-        peers.check()
-        async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                await peers.lost.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            await sync()
-            tg.cancel_scope.cancel()
-        peers.check()
+        return await (call() if peers is None else peers.unless_lost(call))
 
     async def _ranks_go(self) -> None:
         if self.hub.shard_peers is not None:  # a sharded trainer's other ranks train on
@@ -332,9 +329,20 @@ class TrainerHandle:
         """
         if self.state.status is RunningStatus.STOPPED:
             return
+        try:
+            await self._unless_a_rank_is_lost(lambda: self._final(publish_final))
+        except TrainerRankLostError:  # the trainer cannot go on: it is stopped all the same
+            self.state.set(RunningStatus.STOPPED)
+            self.hub.source.stop()
+            raise
+        self.state.set(RunningStatus.STOPPED)
+        self.hub.source.stop()
+
+    async def _final(self, publish_final: bool) -> None:
+        """:meth:`stop`'s syncs: the final weights, and (NCCL) explorers that missed the last version."""
         hub, cfg = self.hub, self.hub.config
         if publish_final and self.step > self.version:
-            await self.sync_weight(self.step)
+            await self._sync_weight(self.step, wait=None)
         if cfg.method is SyncMethod.NCCL:
             for _ in range(3):
                 await hub.wait_settled(hub.lines(), cfg.delivery_timeout)
@@ -343,8 +351,6 @@ class TrainerHandle:
                     break
                 handed = await self.serve_joining(behind)
                 await hub.wait_served(handed, cfg.sync_timeout + cfg.delivery_timeout)
-        self.state.set(RunningStatus.STOPPED)
-        hub.source.stop()
 
     def filter_stale(self, samples: Iterable[Any], current_version: int | None = None) -> FilterResult:
         """Apply the synchronizer's staleness filter (``max_staleness``) to samples stamped with

@@ -42,8 +42,7 @@ import anyio
 import torch
 
 from ...aio import hold_all
-from ...errors import (ClosedResourceError, ConfigError, EndOfStream, HandshakeError, PatchChainError, PayloadError,
-                       TrainerRankLostError, TransportError)
+from ...errors import ConfigError, HandshakeError, PatchChainError, PayloadError
 from ...messages import RecvFn, SendFn, Shared, payload_nbytes
 from ..base import SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import check_version
@@ -51,6 +50,7 @@ from .handshake import check_metadata, is_int
 from .shard_layout import shard_layout, shard_metadata, shard_rows
 from ..common.payloads import (EmptyWeightPatch, ReceiverMetadata, SenderHello, ShardBuild, ShardDone, ShardDrop,
     ShardedPatch, ShardHello, ShardInit, ShardRef)
+from .shard_link import ShardLink
 from .shards_direct import PartCache, is_ref
 
 #: Scratch of a shard's builder, as a fraction of its elements (bounded to [64 Ki, 4 Mi] elements
@@ -202,52 +202,6 @@ class ShardServer:
 
 # ----------------------------------------------------------------------------- the synchronizer's rank
 
-@dataclass(eq=False)
-class ShardLink:
-    """The synchronizer rank's channel to one other shard rank (``send`` / ``recv``), its
-    layout (:class:`ShardHello`), and a lock: one conversation at a time. ``drops``: senders
-    to drop there before the next command; ``abandoned``: a conversation given up half way
-    (its remaining answers are skipped, up to its :class:`ShardDone`, before the next one)."""
-
-    rank: int
-    send: SendFn
-    recv: RecvFn
-    pieces: dict
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    drops: list = field(default_factory=list)
-    abandoned: int | None = None
-    #: What this rank is waited for now (``None``: nothing): a delivery that outlives its bound
-    #: names it — the rank stalled, not the explorer.
-    waiting: str | None = None
-    #: Why this rank is gone (its channel failed: the rank died), or ``None``; ``lost`` is set
-    #: then (one event shared by every link of the trainer, :meth:`gone_now` sets both).
-    gone: TrainerRankLostError | None = None
-    lost: anyio.Event = field(default_factory=anyio.Event)
-
-    def gone_now(self, exc: BaseException, what: str) -> TrainerRankLostError:
-        """This rank's channel failed (``exc``) during ``what``: the rank is gone for good."""
-        if self.gone is None:
-            self.gone = TrainerRankLostError(
-                f"trainer rank {self.rank} is gone: its shard channel failed {what} ({type(exc).__name__}: {exc}); a "
-                "sharded trainer cannot go on without one of its ranks: restart the trainer's ranks together",
-                rank=self.rank)
-            self.gone.__cause__ = exc
-            self.lost.set()
-        return self.gone
-
-    @contextlib.contextmanager
-    def talking(self, what: str) -> Iterator[None]:
-        """A conversation with this rank: one that is gone raises its :class:`TrainerRankLostError`
-        at once, and a channel that fails now makes it gone."""
-        if self.gone is not None:
-            raise self.gone
-        try:
-            yield
-        except _GONE as exc:
-            raise self.gone_now(exc, what) from exc
-
-
-_GONE = (EndOfStream, TransportError, ClosedResourceError)
 
 
 @dataclass(eq=False)

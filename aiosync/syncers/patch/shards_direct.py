@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +46,20 @@ log = logging.getLogger("aiosync.sync")
 _GONE = (EndOfStream, TransportError, ClosedResourceError)
 #: The key of the fetch an explorer's process sends last on each route (:meth:`ShardRoutes.aclose`).
 BYE = ""
+#: Seconds a multicast round of a rank's patch waits, at most, for a due explorer's fetch after
+#: the first one came (:class:`PartCache`): the due explorers ask at about the same time (they
+#: got the version's packet from the synchronizer's rank together); a late one gets its part
+#: point to point.
+ROUND_GRACE = 0.2
+
+
+@dataclass(frozen=True)
+class _Fresh:
+    """What a route holds after a bootstrap bucket of lineage ``sender``: it is due that lineage's
+    next patch after ``after`` (the lineage's newest patch then; ``None``: none yet)."""
+
+    sender: int
+    after: int | None
 
 
 @dataclass(eq=False)
@@ -57,18 +72,28 @@ class PartCache:
 
     **Multicast per rank.** Routes whose transports share a multicast router (the transports of
     one :class:`~aiosync.transports.distributed.WeightSyncGroup`: explorers in processes of that
-    group) are answered together: the first fetch of a patch waits, at most ``round_wait``
-    seconds, for the other such routes' fetches of it, then all of them are answered in one
-    multicast round — each explorer its own header, the patch's bytes broadcast once over a
-    group of this rank and those explorers (:mod:`aiosync.transports.distributed.multicast`;
-    a member that fails falls back to point to point there). A fetch that comes after its
-    round is answered at once, point to point. ``multicast_rounds`` and ``multicast_answers``
-    count them; ``sent_patch_bytes`` still counts every answer."""
+    group) are answered together: the fetches of one patch from the routes *due* it are answered
+    in one multicast round — each explorer its own header, the patch's bytes broadcast once over
+    a group of this rank and those explorers (:mod:`aiosync.transports.distributed.multicast`; a
+    member that fails falls back to point to point there). A route is due a patch when it is
+    being served and holds the version the patch starts from (its last patch fetched from this
+    rank was that version's, of any lineage), or it was just bootstrapped from this rank (its
+    last fetch was a bootstrap bucket) and the patch is the next of that bootstrap's lineage.
+    The round goes out as soon as every due route has asked — at once when the first fetch is
+    the only one due — and at the latest ``round_grace`` seconds after the first fetch: a due
+    explorer that is late is not waited for longer, and is then no longer due the next patch
+    (it missed this one's round: it is behind), so a stalled explorer costs the others one
+    grace period, not one per version. A route that leaves (its channel ends) is not waited for
+    at all. A fetch that comes after its round went out is answered at once, point to point;
+    one of a round still gathering joins it. Counters:
+    ``multicast_rounds`` and ``multicast_answers``, ``round_wait_s`` (seconds the rounds' first
+    fetches waited for the others, in all) and ``round_late`` (rounds that went out at
+    ``round_grace`` with a due route missing); ``sent_patch_bytes`` still counts every answer."""
 
     rank: int
     keep: int = 8
     timeout: float = 600.0
-    round_wait: float = 0.5
+    round_grace: float = ROUND_GRACE
     parts: dict = field(default_factory=dict)
     order: dict = field(default_factory=dict)
     patch_bytes: int = 0
@@ -78,6 +103,8 @@ class PartCache:
     misses: int = 0
     multicast_rounds: int = 0
     multicast_answers: int = 0
+    round_wait_s: float = 0.0
+    round_late: int = 0
     _fetched: dict = field(default_factory=dict)
     _buckets: itertools.count = field(default_factory=itertools.count)
     #: Multicast: the routes being served, per router; the round being gathered for each patch
@@ -85,17 +112,22 @@ class PartCache:
     _members: dict = field(default_factory=dict)
     _rounds: dict = field(default_factory=dict)
     _sent: dict = field(default_factory=dict)
+    #: Each patch key's lineage, version and the version it starts from (the lineage's patch
+    #: before it; ``None``: the first since that lineage's bootstrap), and what each route holds
+    #: as far as this rank knows: the version of the last patch it fetched here, or
+    #: :class:`_Fresh` after a bootstrap bucket.
+    _versions: dict = field(default_factory=dict)
+    _holds: dict = field(default_factory=dict)
 
     def patch(self, sender: int, version: int, part: Any) -> ShardRef:
         """Keep ``part`` (sender ``sender``'s patch of ``version``); its ref for the synchronizer's rank."""
         key = f"p{sender}:{version}"
         self.parts[key] = part
         keys = self.order.setdefault(sender, [])
+        self._versions[key] = (sender, version, self._versions[keys[-1]][1] if keys else None)
         keys.append(key)
         while len(keys) > self.keep:
-            old = keys.pop(0)
-            self.parts.pop(old, None)
-            self._sent.pop(old, None)
+            self._forget(keys.pop(0))
         n = payload_nbytes(part)
         self.patch_bytes += n
         return ShardRef(self.rank, key, n)
@@ -120,8 +152,35 @@ class PartCache:
     def drop(self, sender: int) -> None:
         """Lineage ``sender`` is gone: its patches are let go."""
         for key in self.order.pop(sender, []):
-            self.parts.pop(key, None)
-            self._sent.pop(key, None)
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self.parts.pop(key, None)
+        self._sent.pop(key, None)
+        self._versions.pop(key, None)
+
+    def _due(self, route: Any, key: str) -> bool:
+        """Whether ``route`` is expected to fetch patch ``key`` now (see the class docstring)."""
+        held = self._holds.get(route)
+        sender, version, base = self._versions.get(key, (None, None, None))
+        if isinstance(held, _Fresh):
+            return sender == held.sender and (held.after is None or version > held.after)
+        return held is not None and held == base
+
+    def _fetched_by(self, route: Any, key: str) -> None:
+        """``route`` was answered ``key``: what it holds now, as far as this rank knows."""
+        if route is None:
+            return
+        if key.startswith("b"):
+            sender = int(key[1:].split(":")[0])
+            keys = self.order.get(sender)
+            self._holds[route] = _Fresh(sender, self._versions[keys[-1]][1] if keys else None)
+        elif key in self._versions:
+            self._holds[route] = self._versions[key][1]
+
+    def _wake(self) -> None:
+        for rnd in self._rounds.values():
+            rnd.changed.set()
 
     def answer(self, fetch: Any) -> ShardPart:
         """The answer to one :class:`ShardFetch` (counted)."""
@@ -174,16 +233,20 @@ class PartCache:
                     return
                 except PeerTimeoutError as exc:
                     log.warning("aiosync: shard rank %d: an answer to an explorer timed out: %s", self.rank, exc)
+                else:
+                    if answer.payload is not None:
+                        self._fetched_by(transport, answer.key)
+                        self._wake()  # a round gathering may be due this route now, or no longer
         finally:
+            self._holds.pop(transport, None)
             if router is not None:
                 self._members[router].discard(transport)
-                for rnd in self._rounds.values():
-                    rnd.changed.set()  # a round waiting for this route stops waiting
+                self._wake()  # a round waiting for this route stops waiting
 
     async def _together(self, router: Any, transport: Any, answer: ShardPart) -> BaseException | None:
         """Answer ``answer`` (a patch) in the multicast round of its key: the first fetch of it
-        gathers the others' (bounded by ``round_wait``) and sends the round; the rest wait for
-        it. Returns the error this route's answer met, or ``None``."""
+        gathers the fetches of the other routes due it (bounded by ``round_grace``) and sends the
+        round; the rest wait for it. Returns the error this route's answer met, or ``None``."""
         key = answer.key
         if key in self._sent:  # its round went out: this one came late
             return (await router.send([(transport, answer)]))[0]
@@ -192,17 +255,20 @@ class PartCache:
             i = len(rnd.members)
             rnd.members.append((transport, answer))
             rnd.changed.set()
-            await rnd.done.wait()
+            await rnd.done.wait()  # the first fetch's round: bounded by round_grace and the router's timeout
             return rnd.errors[i] if i < len(rnd.errors) else TransportError("its multicast round failed")
         rnd = self._rounds[key] = _Round([(transport, answer)])
+        t0 = time.monotonic()
         try:
-            with anyio.move_on_after(self.round_wait):
-                while True:
-                    others = self._members.get(router, set())
-                    if len(rnd.members) >= len(others):
-                        break
+            with anyio.move_on_after(self.round_grace) as grace:
+                while self._missing(router, rnd, key):
                     rnd.changed = anyio.Event()
                     await rnd.changed.wait()
+            if grace.cancelled_caught:
+                self.round_late += 1
+                log.debug("aiosync: shard rank %d: the round of %s went out without %d due route(s) after %ss",
+                          self.rank, key, self._missing(router, rnd, key), self.round_grace)
+            self.round_wait_s += time.monotonic() - t0
             del self._rounds[key]
             self._sent[key] = True
             rnd.errors = await router.send(rnd.members)
@@ -213,6 +279,11 @@ class PartCache:
             self._rounds.pop(key, None)
             rnd.done.set()
         return rnd.errors[0] if rnd.errors else TransportError("its multicast round failed")
+
+    def _missing(self, router: Any, rnd: "_Round", key: str) -> int:
+        """How many routes of ``router`` are due ``key`` but have not asked for it yet."""
+        joined = {t for t, _ in rnd.members}
+        return sum(1 for t in self._members.get(router, ()) if t not in joined and self._due(t, key))
 
 
 @dataclass(eq=False)
