@@ -8,6 +8,7 @@ then through the shadow path (``VLLMTarget(llm, inplace=False)``)::
 
     python examples/engine_patch_bench.py --json out.json                  # ~5 M parameters
     python examples/engine_patch_bench.py --hidden 768 --layers 12 --vocab 32000 --json out.json  # ~110 M
+    python examples/engine_patch_bench.py --shards 2 --json out.json       # and a 2-rank sharded trainer, in place
 
 Report: ``{"params", "model_bytes", "density", "inplace": {...}, "shadow": {...}}``, per path
 ``pause_s_mean`` (generation paused per sync, the bootstrap left out), ``bytes_to_engine``
@@ -23,6 +24,13 @@ host copy), ``bit_exact`` (every engine parameter, bit for bit, equals what the 
 failed deliveries after the first sync: a write the engine got wrong is caught by the
 synchronizer's verification and repaired by a re-bootstrap — ``bit_exact`` then holds, these do
 not stay 0).
+
+``--shards N`` (N ≥ 2) adds ``"sharded"``: the same syncs from an N-rank sharded (FSDP2-like)
+trainer — each rank builds the patch of its own rows (dim 0 split evenly; ranks 1.. are
+:class:`~aiosync.coordination.shards.ShardPeer` s in this process) — written in place:
+``pause_s_mean``, ``bytes_to_engine`` (the parts handed into the engine per version),
+``rank_patch_bytes`` (each rank's patches per version), ``patch_bytes`` (their sum),
+``bit_exact``, ``parts_skipped``.
 """
 
 from __future__ import annotations
@@ -135,6 +143,71 @@ async def run_path(llm: Any, trainer_model: Any, stepper: MaskedAdamW, inplace: 
             "reinits": line.reinits - boot_reinits, "failed": line.failed - boot_failed}
 
 
+def rank_pieces(model: Any, rank: int, ranks: int) -> dict:
+    """Rank ``rank``'s rows of every tensor (dim 0 split evenly): views of the live parameters."""
+    from aiosync.pieces import TensorSlice
+
+    out = {}
+    for key, t in model.state_dict().items():
+        a, b = t.shape[0] * rank // ranks, t.shape[0] * (rank + 1) // ranks
+        if b > a:
+            out[key] = TensorSlice(t[a:b], (a,) + (0,) * (t.dim() - 1), tuple(t.shape))
+    return out
+
+
+async def run_sharded(llm: Any, trainer_model: Any, stepper: MaskedAdamW, ranks: int, steps: int) -> dict:
+    """Patch syncs of ``steps`` AdamW steps from a ``ranks``-rank sharded trainer, in place."""
+    from aiosync.coordination.shards import ShardPeer
+    from aiosync.transports.inproc import inproc_pair
+
+    names = list(trainer_model.state_dict())
+    pairs = [inproc_pair(max_buffer_size=1, timeout=60) for _ in range(1, ranks)]
+    peers = [ShardPeer(rank_pieces(trainer_model, r, ranks), end, rank=r, names=names, timeout=60)
+             for r, (_, end) in enumerate(pairs, start=1)]
+    gates = [anyio.Event() for _ in range(steps + 2)]
+    config = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=120,
+                  delivery_timeout=120)
+
+    async def peer_steps(peer: Any) -> None:
+        async with peer:
+            for v in range(1, steps + 2):
+                await gates[v].wait()
+                await peer.step_done()
+
+    async with anyio.create_task_group() as tg:
+        for peer in peers:
+            tg.start_soon(peer_steps, peer)
+        async with Synchronizer(config, PATCH) as sync:
+            trainer = await sync.attach_trainer(rank_pieces(trainer_model, 0, ranks), param_names=names,
+                                                shard_peers=[a for a, _ in pairs])
+            target = await run_sync(VLLMTarget, llm, inplace=True)
+            await sync.attach_explorer("vllm", target)
+            line = sync.explorers["vllm"].line
+            boot, own = target.statistics(), [sync.shards.patch_bytes] + [p.server.patch_bytes for p in peers]
+            for v in range(1, steps + 2):
+                await anyio.to_thread.run_sync(stepper.step)
+                gates[v].set()
+                await trainer.step_done()
+                assert await line.wait_settled(120)  # one write per version
+                if v == 1:  # the first version left out, as the bootstrap is: the pause of a warm engine
+                    boot = target.statistics()
+                    own = [sync.shards.patch_bytes] + [p.server.patch_bytes for p in peers]
+            await trainer.stop()
+            applied = line.stats.versions_applied
+            stats = target.statistics()
+            rank_bytes = [(b - a) / steps for a, b in zip(own, [sync.shards.patch_bytes]
+                                                             + [p.server.patch_bytes for p in peers])]
+    state = {k: v.detach().clone() for k, v in trainer_model.state_dict().items()}
+    exact = all(llm.collective_rpc(engine_is_loader_image, args=(state,)))
+    engine = await target.engine_statistics()
+    target.close()
+    return {"shards": ranks, "versions_applied": len(applied), "writes": stats.writes - boot.writes,
+            "pause_s_mean": (stats.total_pause_s - boot.total_pause_s) / max(1, stats.writes - boot.writes),
+            "bytes_to_engine": (stats.bytes_sent - boot.bytes_sent) / steps, "rank_patch_bytes": rank_bytes,
+            "patch_bytes": sum(rank_bytes), "bit_exact": exact and target.version == steps + 1,
+            "parts_skipped": engine["parts_skipped"], "path": stats.path}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -142,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--density", type=float, default=0.03)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--shards", type=int, default=1, help="also sync from a sharded trainer of this many ranks")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -172,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name, inplace in (("inplace", True), ("shadow", False)):  # the shadow reads the checkpoint
             report[name] = result = anyio.run(run_path, llm, trainer_model, stepper, inplace, args.steps)
             result["extra_rss_bytes"] = result["rss_delta"] - baseline
+        if args.shards > 1:
+            report["sharded"] = anyio.run(run_sharded, llm, trainer_model, stepper, args.shards, args.steps)
     text = json.dumps(report, indent=2)
     if args.json:
         with open(args.json, "w") as f:

@@ -287,8 +287,7 @@ def run(mode: str, steps: int, workdir: Path, processes: int = 1, fsdp: bool = F
 
     key_file = workdir / "key"
     key_file.write_text(os.urandom(32).hex())
-    # in place, but for a sharded (FSDP2) trainer, whose patches only the shadow path takes yet
-    server = ServerProcess(workdir / "model", key_file, workdir / "server.log", inplace=not fsdp)
+    server = ServerProcess(workdir / "model", key_file, workdir / "server.log")  # in place, FSDP2 or not
     anyio.run(server.start)
     try:
         if processes == 1:

@@ -222,3 +222,58 @@ def in_process_engine(start: Callable[[], Any]):
         del engine, core
         cleanup_dist_env_and_memory()
         torch.set_num_threads(threads)  # vLLM lowers it for serving
+
+
+# ------------------------------------------------------------------ a two-rank sharded trainer
+
+def rank_rows(model: torch.nn.Module, rank: int) -> dict:
+    """Rank ``rank``'s pieces of a two-rank FSDP2-like trainer (dim 0 split unevenly, a third
+    to rank 0): views of the live parameters, so that every training step shows in both."""
+    from aiosync.pieces import TensorSlice
+
+    out = {}
+    for key, t in model.state_dict().items():
+        cut = max(1, t.shape[0] // 3)
+        a, b = (0, cut) if rank == 0 else (cut, t.shape[0])
+        out[key] = TensorSlice(t[a:b], (a,) + (0,) * (t.dim() - 1), tuple(t.shape))
+    return out
+
+
+async def two_rank_syncs(model: torch.nn.Module, explorer_model: Any, steps: int, train: Callable[[int], None],
+                         after_bootstrap: Callable[[], Any] | None = None, timeout: float = 30) -> list[int]:
+    """Rank 0 (the synchronizer's) and rank 1 (a :class:`~aiosync.coordination.shards.ShardPeer`)
+    of a sharded trainer over ``model``, each building the patch of its own rows, syncing
+    ``explorer_model`` (explorer ``"e"``) after each of ``steps`` steps of ``train(step)`` (run
+    in a thread); ``after_bootstrap()`` is awaited once the explorer is attached. Returns the
+    versions the explorer applied; ``timeout`` bounds each wait on a rank or a delivery."""
+    from aiosync.coordination import Synchronizer
+    from aiosync.coordination.shards import ShardPeer
+
+    names = list(model.state_dict())
+    to_peer, peer_end = inproc_pair(max_buffer_size=1, timeout=timeout)
+    peer = ShardPeer(rank_rows(model, 1), peer_end, rank=1, names=names, timeout=timeout)
+    gates = {v: anyio.Event() for v in range(1, steps + 1)}
+    config = dict(method="nccl", style="trainer_driven", sync_weight_no_wait=True, sync_timeout=2 * timeout,
+                  delivery_timeout=2 * timeout)
+
+    async def rank1() -> None:
+        async with peer:
+            for v in range(1, steps + 1):
+                await gates[v].wait()
+                await peer.step_done()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rank1)
+        async with Synchronizer(config, PATCH) as sync:
+            trainer = await sync.attach_trainer(rank_rows(model, 0), param_names=names, shard_peers=[to_peer])
+            await sync.attach_explorer("e", explorer_model)
+            if after_bootstrap is not None:
+                await after_bootstrap()
+            line = sync.explorers["e"].line
+            for v in range(1, steps + 1):
+                await anyio.to_thread.run_sync(train, v)
+                gates[v].set()
+                await trainer.step_done()
+                assert await line.wait_settled(2 * timeout)  # each version its own write
+            await trainer.stop()
+            return list(line.stats.versions_applied)

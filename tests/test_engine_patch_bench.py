@@ -25,7 +25,7 @@ def test_engine_patch_bench_reports_both_paths_bit_exact(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out.json"
     cmd = [sys.executable, str(root / "examples" / "engine_patch_bench.py"), "--hidden", "64", "--layers", "1",
-           "--vocab", "512", "--steps", "1", "--json", str(out)]
+           "--vocab", "512", "--steps", "1", "--shards", "2", "--json", str(out)]
     env = os.environ | {"PYTHONPATH": str(root), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -43,3 +43,8 @@ def test_engine_patch_bench_reports_both_paths_bit_exact(tmp_path):
     assert report["inplace"]["bytes_to_engine"] == report["inplace"]["patch_bytes"]
     assert report["shadow"]["bytes_to_engine"] > report["shadow"]["patch_bytes"]
     assert report["inplace"]["held_bytes"] < report["shadow"]["held_bytes"]
+    # a two-rank sharded trainer, in place: both ranks' parts go into the engine as they came
+    sharded = report["sharded"]
+    assert sharded["bit_exact"] is True and sharded["path"] == "inplace" and sharded["writes"] == 1
+    assert len(sharded["rank_patch_bytes"]) == 2 and all(b > 0 for b in sharded["rank_patch_bytes"])
+    assert sharded["patch_bytes"] <= sharded["bytes_to_engine"] <= 1.05 * sharded["patch_bytes"] + 512

@@ -27,7 +27,7 @@ from aiosync.engines.vllm_inplace import VLLMInPlaceTarget  # noqa: E402
 from aiosync.errors import ConfigError  # noqa: E402
 from aiosync.runners.grpo import ModelShape, greedy, make_tiny_llama  # noqa: E402
 from aiosync.syncers.common.bits import as_bits  # noqa: E402
-from helpers import HANG_GUARD, in_process_engine  # noqa: E402
+from helpers import HANG_GUARD, in_process_engine, two_rank_syncs  # noqa: E402
 from test_engines_vllm import BUCKET, PATCH, PROMPTS, TOKENS, adamw_steps, engine_greedy, make_optimizer  # noqa: E402
 
 # vLLM pads the 32-token vocabulary of the tiny Llama to 64 rows: the embeddings are padded.
@@ -169,6 +169,24 @@ async def test_patch_syncs_land_in_place_bit_exact_and_equal_a_bucket_sync(llm, 
         via_bucket = await assert_engine_is(llm, bucket_target, trainer_model, 0)
     bucket_target.close()
     assert patch_bytes > 0 and len(patched) == len(via_bucket)
+
+
+async def test_a_sharded_trainers_patches_land_in_place_bit_exact(llm, trainer_model):
+    """Two ranks of a sharded trainer, each building the patch of its own rows (rank 1 a
+    ShardPeer): the bootstrap (whole tensors assembled from both ranks' rows) and every version
+    (both ranks' parts, each decoded against its rows) land in the engine's own parameters."""
+    target = VLLMTarget(llm, inplace=True)
+    opt = make_optimizer(trainer_model)
+    with anyio.fail_after(4 * HANG_GUARD):
+        applied = await two_rank_syncs(trainer_model, target, 3, lambda v: adamw_steps(trainer_model, opt, 1, 60 + v),
+                                       lambda: assert_engine_is(llm, target, trainer_model, 0, outputs=False))
+    assert applied[-3:] == [1, 2, 3]
+    await assert_engine_is(llm, target, trainer_model, 3)
+    engine = await target.engine_statistics()
+    assert engine["commits"] == engine["patches"] == 4 and engine["rollbacks"] == 0  # the bootstrap's patch of 0, 1..3
+    assert engine["parts"] == 2 * engine["patches"] and engine["parts_skipped"] == 0
+    assert target.statistics().tensors_sent == len(trainer_model.state_dict())  # whole tensors once: the bootstrap
+    target.close()
 
 
 def _set_fault(worker, after: int | None):

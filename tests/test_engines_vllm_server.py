@@ -28,7 +28,7 @@ from aiosync.coordination import Synchronizer  # noqa: E402
 from aiosync.engines.vllm_server import VLLMServer  # noqa: E402
 from aiosync.errors import ApplyError, AuthenticationError  # noqa: E402
 from aiosync.runners.grpo import greedy  # noqa: E402
-from helpers import HANG_GUARD, load_example  # noqa: E402
+from helpers import HANG_GUARD, load_example, two_rank_syncs  # noqa: E402
 from test_engines_vllm import (BUCKET, LOGPROB_TOLERANCE, PATCH, PROMPTS, TOKENS, adamw_steps,  # noqa: E402
                                make_optimizer, model_dir, trainer_model)  # noqa: F401 (fixtures)
 
@@ -196,6 +196,22 @@ async def test_two_servers_take_each_version_encoded_once_and_end_bit_exact(serv
                 assert (fanout.lineages, fanout.lineages_created, fanout.builds, fanout.shared) == (1, 1, 2, 2)
     for client in (a, b):
         assert client.statistics().version == 2 and client.statistics().refused == 0
+
+
+async def test_a_sharded_trainers_patches_are_written_in_place_in_the_server(server, key_file, trainer_model):
+    """A two-rank sharded (FSDP2-like) trainer, each rank building the patch of its own rows: the
+    server writes both ranks' parts in place (its receiver is the same remote-target code as an
+    engine's in this process)."""
+    opt = make_optimizer(trainer_model)
+    with anyio.fail_after(6 * HANG_GUARD):
+        async with VLLMServer(server.url, key_file=str(key_file), timeout=60) as client:
+            applied = await two_rank_syncs(trainer_model, client, 2,
+                                           lambda v: adamw_steps(trainer_model, opt, 1, 70 + v))
+            assert applied[-2:] == [1, 2]
+            await assert_server_holds(client, trainer_model, 2)
+            state = await client.state()
+            assert state["engine"]["path"] == "inplace", state
+    assert client.statistics().refused == 0
 
 
 async def test_a_restarted_server_is_bootstrapped_and_ends_bit_exact(server, key_file, trainer_model):

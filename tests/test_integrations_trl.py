@@ -130,8 +130,8 @@ def server(model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("server")
     key_file = workdir / "key"
     key_file.write_text(os.urandom(32).hex())
-    # the shadow path: a sharded (FSDP2) trainer's patches cannot be written in place yet (docs/trl.md)
-    process = example.ServerProcess(model_dir, key_file, workdir / "server.log", inplace=False)
+    # in place (aiosync's worker extension): data-parallel and sharded (FSDP2) trainers' patches alike
+    process = example.ServerProcess(model_dir, key_file, workdir / "server.log")
     try:
         anyio.run(process.start)
         yield process, key_file
@@ -219,6 +219,14 @@ def test_server_grpo_with_an_fsdp2_trainer_whose_ranks_send_their_own_shards(ser
     assert r0["shard_patches"] >= RANK_STEPS and r1["shard_patches"] >= RANK_STEPS
     assert 0 < r1["shard_patch_bytes"] and 0 < r0["shard_patch_bytes"]
     assert r0["relayed_bytes"] >= r1["shard_patch_bytes"]
+    assert anyio.run(server_state, *server)["engine"]["path"] == "inplace"  # both ranks' parts, in place
+
+
+async def server_state(process, key_file) -> dict:
+    from aiosync.engines.vllm_server import VLLMServer
+
+    async with VLLMServer(process.url, key_file=str(key_file), timeout=60) as client:
+        return await client.state()
 
 
 def test_rloo_server_mode_trains_two_steps_and_the_server_follows(server, model_dir, tmp_path):

@@ -38,21 +38,25 @@ contexts, the checksum of the result): they need each touched tensor whole in on
 from __future__ import annotations
 
 import base64
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import ApplyError, ChecksumError, DriftError, PayloadError
+from ..errors import AiosyncError, ApplyError, ChecksumError, DriftError, PayloadError
+from ..messages import payload_nbytes
 from ..syncers.common.bits import as_bits, np_bits
 from ..syncers.common.integrity import drift_hash, tensor_checksum
 from ..syncers.kernels.warmup import ready as kernels_ready
 from ..syncers.kernels.warmup import request as request_kernels
 from ..syncers.patch.format import unzigzag_apply
 from ..syncers.patch.handshake import is_int, is_session, receiver_layouts
-from ..syncers.patch.receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch
+from ..syncers.patch.receiver import PreparedPatch, ReceiverState, complete_patch, prepare_patch, sharded_parts
+from ..syncers.patch.shard_layout import shard_views
 from .index_map import IndexMap, Load, probe_map
+from .inplace_shards import Rows, holds_rows, parse_shards, row_elems
 
 _MASK64 = (1 << 64) - 1
 
@@ -96,9 +100,12 @@ def decode_payload(data: bytes | bytearray | memoryview | str) -> Any:
 
 def parse_handshake(info: Any, known: Mapping[str, torch.Tensor]) -> ReceiverState:
     """The state of a patch handshake as the explorer forwards it: ``{"keys": [names in the
-    explorer's order], "synced": [ordinals patches touch], "session": int or None}``."""
-    if not isinstance(info, dict) or set(info) - {"keys", "synced", "session"}:
-        raise PayloadError(f"a handshake must be {{'keys': [...], 'synced': [...], 'session': id}}, got {info!r:.120}")
+    explorer's order], "synced": [ordinals patches touch], "session": int or None}``, and for
+    a sharded trainer ``"shards"``: each shard's rows, keys and synced ordinals
+    (:func:`~aiosync.engines.inplace_shards.parse_shards`)."""
+    if not isinstance(info, dict) or set(info) - {"keys", "synced", "session", "shards"}:
+        raise PayloadError(f"a handshake must be {{'keys': [...], 'synced': [...], 'session': id}} (and 'shards' from "
+                           f"a sharded trainer), got {info!r:.120}")
     keys, synced, session = info.get("keys"), info.get("synced"), info.get("session")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
         raise PayloadError("the handshake's keys must be distinct names")
@@ -110,7 +117,11 @@ def parse_handshake(info: Any, known: Mapping[str, torch.Tensor]) -> ReceiverSta
         raise PayloadError(f"the handshake's synced ordinals must be increasing, in [0, {len(keys)})")
     if session is not None and not is_session(session):
         raise PayloadError(f"the handshake's session {session!r:.40} is not an id")
-    return ReceiverState(list(keys), receiver_layouts(known, keys, synced), session)
+    if info.get("shards") is None:
+        return ReceiverState(list(keys), receiver_layouts(known, keys, synced), session)
+    if synced:
+        raise PayloadError("a sharded trainer's handshake names its synced ordinals per shard, not at the top")
+    return ReceiverState(list(keys), {}, session, parse_shards(info["shards"], known, session))
 
 
 # ----------------------------------------------------------------------------- the transaction
@@ -144,6 +155,10 @@ class Transaction:
     writes: list[_Write] | None = None  # the patch's, once staged
     version: int | None = None
     patch_bytes: int = 0
+    #: A sharded patch: ``(shard index, shard, its part prepared)`` of each shard this worker
+    #: holds rows of, and what went wrong preparing them (raised once every worker staged).
+    parts: list = field(default_factory=list)
+    failed: BaseException | None = None
 
 
 class EngineReceiver:
@@ -171,7 +186,9 @@ class EngineReceiver:
         self.version: int | None = None
         #: Fault injection (tests): called as ``fault(i, n)`` after the ``i``-th of ``n`` writes of a commit.
         self.fault: Callable[[int, int], None] | None = None
-        self.stats = {"commits": 0, "patches": 0, "elements": 0, "tensors_loaded": 0, "rollbacks": 0}
+        self.stats = {"commits": 0, "patches": 0, "elements": 0, "tensors_loaded": 0, "rollbacks": 0,
+                      "parts": 0, "parts_skipped": 0}
+        self._held_shards: tuple = (None, [])
 
     # -- the one-shot entry point --------------------------------------------------------
 
@@ -215,10 +232,40 @@ class EngineReceiver:
             raise PayloadError("a patch arrived before any handshake: this engine has no patch chain to apply it to")
         version_now = None if txn.state is not None else self.version
         deferred = bool(txn.tensors)  # its old values are those the tensors before it bring
-        txn.prepared = prepare_patch(patch, state, version_now, self.known, verify_checksums=False, defer_ctx=True)
+        if state.shards:
+            self._prepare_parts(txn, patch, state, version_now)
+        else:
+            txn.prepared = prepare_patch(patch, state, version_now, self.known, verify_checksums=False, defer_ctx=True)
         txn.version = txn.prepared.version
         if not deferred:
-            txn.writes = self._stage(txn.prepared, state)
+            txn.writes = self._stage(txn, state)
+
+    def _prepare_parts(self, txn: Transaction, patch: Any, state: ReceiverState, version_now: int | None) -> None:
+        """A sharded trainer's patch: every part's header checked (every worker alike), then each
+        part this worker holds rows of decoded against meta views of its rows; a worker that
+        holds none of a part's rows never decodes it. A part that fails is raised at once with
+        one worker, else after the staging's collective (no worker is left waiting in it)."""
+        inner, parts = sharded_parts(patch, state, version_now)
+        holding = self._holding(state)
+        for r, (shard, part) in enumerate(zip(state.shards, parts)):
+            if not holding[r] or txn.failed is not None:
+                continue
+            try:
+                txn.parts.append((r, shard, prepare_patch(part, shard.state, version_now,
+                                                          shard_views(self.known, shard.rows),
+                                                          verify_checksums=False, defer_ctx=True)))
+            except AiosyncError as exc:
+                if self.group is None:
+                    raise
+                txn.failed = exc
+        txn.prepared = PreparedPatch(inner.version, [], [], None, None, payload_nbytes(inner),
+                                     parts=[(shard.rows, p, shard.state.layouts) for _, shard, p in txn.parts])
+
+    def _holding(self, state: ReceiverState) -> list[bool]:
+        """Per shard of ``state``, whether this worker holds any element of its rows (kept per handshake)."""
+        if self._held_shards[0] is not state:
+            self._held_shards = (state, [holds_rows(self.map, self.aliases, self.known, s.rows) for s in state.shards])
+        return self._held_shards[1]
 
     def commit(self, txn: Transaction) -> int | None:
         """Write the transaction: whole tensors through the loader, then the patch's values at
@@ -230,7 +277,7 @@ class EngineReceiver:
                 if txn.tensors:
                     self._load(txn.tensors, undo)
                 if txn.prepared is not None and txn.writes is None:
-                    txn.writes = self._stage(txn.prepared, txn.state or self.state)
+                    txn.writes = self._stage(txn, txn.state or self.state)
                 writes = txn.writes or []
                 for i, w in enumerate(writes):
                     self._write(w, undo)
@@ -259,29 +306,73 @@ class EngineReceiver:
 
     # -- staging a patch ---------------------------------------------------------------------
 
-    def _stage(self, prepared: PreparedPatch, state: ReceiverState) -> list[_Write]:
-        if prepared.parts:
-            raise PayloadError("a sharded trainer's patch cannot be applied in the engine yet (its shards' rows)")
-        if prepared.deferred is not None:  # ctx: decoded against whole old tensors
-            complete_patch(prepared, state, _Whole(self))
-        writes, partial, names = [], [], []
-        for i, (d, key) in enumerate(zip(prepared.decoded, prepared.keys)):
-            name = self.aliases.get(key, key)
-            positions = d.positions.to(torch.int64)
-            located = None if self.map.tensors[name].copy is not None else self.map.locate(name, positions)
-            held, old = self.map.gather(name, positions, located)
-            if prepared.old_hashes is not None:
-                owned = self.map.tensors[name].owned_mask(positions)
-                mine = held if owned is None else held & owned
-                partial.append(drift_hash(positions[mine], old[mine[held]]))
-                names.append(key)
-            new = self._new_bits(d, held, old)
-            writes.append(self._place(name, positions, held, old, new, located))
-            if prepared.checksums is not None:
-                self._check_sum(name, key, positions, new, prepared.checksums[i])
-        if prepared.old_hashes is not None:
-            self._check_drift(names, partial, prepared.old_hashes, [d.count for d in prepared.decoded])
-        return writes
+    def _stage(self, txn: Transaction, state: ReceiverState) -> list[_Write]:
+        """Decode what is left (``ctx``), read the old values, check the drift hashes (summed
+        over the workers), compute the new values and their offsets: the writes, nothing
+        written. A sharded patch's parts are staged as one patch, each part's positions shifted
+        by its first row into the whole tensor's flat positions, each part's hashes its own."""
+        prepared, error = txn.prepared, txn.failed
+        if state.shards:  # a slot per (shard, ordinal): the same on every worker, whichever parts it holds
+            starts = list(itertools.accumulate((len(s.state.keys) for s in state.shards), initial=0))
+            slots, parts = starts[-1], txn.parts
+        else:
+            parts = [(0, None, prepared)]
+            slots = int(prepared.deferred.ordinals.numel()) if prepared.deferred is not None else len(prepared.decoded)
+        partial, checks, wholes, writes = [0] * slots, [], {}, []
+        try:
+            if error is None:
+                for r, shard, p in parts:
+                    if p.deferred is not None:  # ctx: decoded against the old values, read whole
+                        complete_patch(p, state if shard is None else shard.state,
+                                       _Whole(self) if shard is None else Rows(_Whole(self), shard.rows))
+                    for i, (d, key) in enumerate(zip(p.decoded, p.keys)):
+                        slot = i if shard is None else starts[r] + d.ordinal
+                        span = None if shard is None else shard.rows.get(key)
+                        h = self._stage_tensor(key, d, p, span, i, wholes, writes)
+                        if h is not None:
+                            partial[slot] = h
+                            checks.append((slot, key, d.count, p.old_hashes[i]))
+        except Exception as exc:
+            error = exc
+        if self.group is not None and (state.shards or prepared.old_hashes is not None):
+            partial, others = self._sum_hashes(partial, error is not None)
+        else:
+            others = False
+        if error is not None:
+            raise error
+        if others:
+            raise PayloadError("another worker of the engine refused this patch (its part of it was malformed, or "
+                               "its old values drifted); nothing was written")
+        self._check_drift(checks, partial)
+        self.stats["parts"] += len(txn.parts)
+        self.stats["parts_skipped"] += len(state.shards) - len(txn.parts)
+        return writes + list(wholes.values())
+
+    def _stage_tensor(self, key: str, d, p: PreparedPatch, span: tuple | None, i: int, wholes: dict,
+                      writes: list) -> int | None:
+        """Stage one tensor of a patch (or of a shard's part: its rows ``span``); its partial drift
+        hash (``None``: the patch carries none)."""
+        name = self.aliases.get(key, key)
+        local = d.positions.to(torch.int64)
+        positions = local if span is None else local + span[0] * row_elems(self.known, key)
+        located = None if self.map.tensors[name].copy is not None else self.map.locate(name, positions)
+        held, old = self.map.gather(name, positions, located)
+        new = self._new_bits(d, held, old)
+        h = None
+        if p.old_hashes is not None:
+            owned = self.map.tensors[name].owned_mask(positions)
+            mine = held if owned is None else held & owned
+            h = drift_hash(local[mine], old[mine[held]])  # the sender hashed its own piece's positions
+        if self.map.tensors[name].copy is not None:  # a fallback tensor: its whole new value, every part's
+            whole = wholes.get(name)
+            if whole is None:
+                whole = wholes[name] = _Write(name, whole=self.map.tensors[name].copy.clone())
+            as_bits(whole.whole.view(-1))[positions] = new
+        else:
+            writes.append(self._place(name, held, old, new, located))
+        if p.checksums is not None:
+            self._check_sum(name, key, positions, new, p.checksums[i], span)
+        return h
 
     @staticmethod
     def _new_bits(d, held: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -289,18 +380,12 @@ class EngineReceiver:
             return d.payload.reshape(-1)[held.to(d.payload.device)].to(old.device)
         return unzigzag_apply(old, d.codes()[held.to(d.payload.device)].to(old.device))
 
-    def _place(self, name: str, positions: torch.Tensor, held: torch.Tensor, old: torch.Tensor,
-               new: torch.Tensor, located: list | None) -> _Write:
+    def _place(self, name: str, held: torch.Tensor, old: torch.Tensor, new: torch.Tensor, located: list) -> _Write:
         """The write of one tensor, ready for the commit: per parameter, its flat offsets, new
         and old bits, on the parameter's device (the commit only scatters them)."""
-        tmap = self.map.tensors[name]
-        if tmap.copy is not None:  # a fallback tensor: its whole new value, through the loader
-            whole = tmap.copy.clone()
-            as_bits(whole.view(-1))[positions] = new
-            return _Write(name, whole=whole)
         rank = torch.cumsum(held, 0) - 1  # where each held position's bits are in new / old
         places = []
-        for t, hits in enumerate(located or []):
+        for t, hits in enumerate(located):
             for p, idx, off in hits:
                 flat = self.map.flat(p)
                 k = rank[idx]
@@ -309,20 +394,20 @@ class EngineReceiver:
                 places.append(_Place(p, off, new[k].to(flat.device), was.to(flat.device)))
         return _Write(name, places)
 
-    def _check_sum(self, name: str, key: str, positions: torch.Tensor, new: torch.Tensor, want: int) -> None:
+    def _check_sum(self, name: str, key: str, positions: torch.Tensor, new: torch.Tensor, want: int,
+                   span: tuple | None = None) -> None:
         if not self.map.tensors[name].complete:
             raise PayloadError(f"verify_checksums needs {key!r} whole in one worker, and this engine splits it "
                                "between workers: turn verify_checksums off for this explorer")
         after = self.map.whole(name)
         as_bits(after.view(-1))[positions] = new
-        if tensor_checksum(after) != want:
+        if tensor_checksum(after if span is None else after.narrow(0, span[0], span[1])) != want:
             raise ChecksumError(f"tensor {key!r} would not match the sender's checksum after the patch (corrupted in "
                                 "transit, or the engine's weights had drifted); refused, nothing was written")
 
-    def _check_drift(self, keys: list[str], partial: list[int], want: Any, counts: list[int]) -> None:
-        have = self._sum_hashes(partial)
-        for key, h, w, n in zip(keys, have, want, counts):
-            if (h - w) & _MASK64:
+    def _check_drift(self, checks: list, sums: list[int]) -> None:
+        for slot, key, n, want in checks:
+            if (sums[slot] - want) & _MASK64:
                 raise DriftError(f"the engine's {key!r} does not hold, at the {n} positions the patch changes, the "
                                  "values the sender built it on (written behind aiosync's back, or a lost delivery); "
                                  "refused, nothing was written")
@@ -374,14 +459,16 @@ class EngineReceiver:
 
     # -- several workers -------------------------------------------------------------------
 
-    def _sum_hashes(self, partial: list[int]) -> list[int]:
-        if self.group is None:
-            return partial
+    def _sum_hashes(self, partial: list[int], failed: bool) -> tuple[list[int], bool]:
+        """Every worker's partial hashes summed (each answers for the elements it owns), and
+        whether another worker's staging failed (every worker joins, whatever happened)."""
         import torch.distributed as dist
 
-        halves = torch.tensor([[h & 0xFFFFFFFF, (h & _MASK64) >> 32] for h in partial], dtype=torch.int64)
+        halves = torch.tensor([[h & 0xFFFFFFFF, (h & _MASK64) >> 32] for h in partial] + [[int(failed), 0]],
+                              dtype=torch.int64)
         dist.all_reduce(halves, group=self.group)
-        return [(int(lo) + (int(hi) << 32)) & _MASK64 for lo, hi in halves.tolist()]
+        sums = [(int(lo) + (int(hi) << 32)) & _MASK64 for lo, hi in halves[:-1].tolist()]
+        return sums, int(halves[-1, 0]) > int(failed)
 
     def _agree(self, error: BaseException | None) -> str | None:
         """Whether every worker's write succeeded: ``None``, or what failed."""
@@ -412,6 +499,9 @@ class _Whole(Mapping):
             raise PayloadError(f"a ctx patch needs {key!r} whole in one worker, and this engine splits it: use the "
                                "flat encoding for this explorer")
         return self.receiver.map.whole(name)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.receiver.known
 
     def __iter__(self):
         return iter(self.receiver.known)

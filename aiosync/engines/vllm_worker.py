@@ -59,17 +59,30 @@ def _backend(worker: Any) -> Any:
 
 def _receiver(worker: Any) -> Any:
     """The worker's receiver, its map bound to the model's current parameters (by name: a
-    reload through vLLM's own update path may have replaced them)."""
+    reload through vLLM's own update path may have replaced them). The binding is kept, with
+    the module and attribute holding each parameter, and checked by identity on each call (one
+    dict look-up per parameter, inside the pause for the commit): rebuilt only when a
+    parameter was replaced."""
     receiver = getattr(_backend(worker), "receiver", None)
     if receiver is None:
         raise ApplyError("this worker has no in-place receiver (the probe never ran here)")
     index = receiver.map
-    named = dict(worker.get_model().named_parameters())
+    model = worker.get_model()
+    bound = getattr(receiver, "bound", None)
+    if bound is not None and bound[0] is model and all(
+            owner._parameters.get(attr) is p for (owner, attr), p in zip(bound[1], index.params)):
+        return receiver
+    named = dict(model.named_parameters())
     now = [named.get(n) for n in index.param_names]
     if any(p is None or p.shape != q.shape or p.dtype != q.dtype for p, q in zip(now, index.params)):
         raise ApplyError("the engine's parameters no longer have the layout the index map was probed on (re-packed "
                          "or re-shaped by a reload): make a new target")
     index.params = now
+    owners = []
+    for n in index.param_names:
+        prefix, _, attr = n.rpartition(".")
+        owners.append((model.get_submodule(prefix), attr))
+    receiver.bound = (model, owners)
     return receiver
 
 

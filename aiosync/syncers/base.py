@@ -144,12 +144,15 @@ class RemoteWrite:
     * ``version`` — the version the write brings (``None``: a bootstrap written without one).
     * ``handshake`` — a patch handshake's state, when this write starts a new patch chain:
       ``{"keys": [the target's keys, in its order], "synced": [ordinals patches touch],
-      "session": id or None}``; patches index ``keys`` by ordinal.
+      "session": id or None}``; patches index ``keys`` by ordinal. From a sharded trainer it
+      adds ``"shards"``: per shard ``{"rows": {key: None (whole) or [first row, rows]}, "keys":
+      [its keys, in its ordinal order], "synced": [ordinals its parts touch]}``.
     * ``tensors`` — whole tensors, bucket by bucket (a bootstrap or a bucket sync), written
       before the patch.
     * ``patch`` — the encoded patch (:class:`~aiosync.syncers.common.payloads.WeightPatch`,
-      ``CompressedWeightPatch`` or ``EmptyWeightPatch``), its header checked (version, base
-      version, session), the rest not decoded; ``None``: no patch.
+      ``CompressedWeightPatch`` or ``EmptyWeightPatch``; from a sharded trainer a
+      ``ShardedPatch`` of every shard's part, positions local to its rows), its header checked
+      (version, base version, session), the rest not decoded; ``None``: no patch.
     """
 
     version: int | None

@@ -7,7 +7,11 @@ version, the base version it was built on, the handshake it belongs to — and t
 side decodes and validates the rest before anything is written
 (:mod:`aiosync.engines.inplace`). :func:`handshake_of` is the handshake state the target needs
 to decode the patches of a chain. :func:`stage_patch`, :func:`write_remote` and
-:func:`local_model` are the patch syncer's steps for such a target.
+:func:`sharded_plan` are the patch syncer's steps for such a target.
+
+A sharded (FSDP2) trainer's patches reach such a target too: each shard's part is checked on
+its own header and handed over as it came (the target decodes each against its rows), and
+its bootstrap reaches the target as whole tensors, assembled here from the shards' rows.
 """
 
 from __future__ import annotations
@@ -20,15 +24,14 @@ from typing import Any
 import anyio
 
 from ...aio import run_sync
-from ...errors import HandshakeError
 from ...messages import payload_nbytes
 from ..base import RemoteTarget, RemoteWrite, SyncStatistics
-from ..common.payloads import Stamped
-from ..common.remote import tensor_plan
+from ..common.payloads import ShardedPatch, Stamped
+from ..common.remote import AssembledTensors, tensor_plan
 from ..common.staging import written
-from .receiver import PreparedPatch, ReceiverState, check_header, prepare_patch, unstamp
+from .receiver import PreparedPatch, ReceiverState, check_header, prepare_patch, sharded_parts, unstamp
 
-__all__ = ["ForwardedPatch", "forward_patch", "handshake_of", "local_model", "stage_patch", "tensor_plan",
+__all__ = ["ForwardedPatch", "forward_patch", "handshake_of", "sharded_plan", "stage_patch", "tensor_plan",
            "write_remote"]
 
 
@@ -45,28 +48,47 @@ class ForwardedPatch:
 
 def forward_patch(payload: Any, state: ReceiverState, version_now: int | None) -> ForwardedPatch:
     """Check a received patch's header against the receiver (kind, version, base version,
-    session); :class:`~aiosync.errors.PayloadError` (or the subclass naming it) otherwise."""
+    session); :class:`~aiosync.errors.PayloadError` (or the subclass naming it) otherwise. A
+    sharded sender's patch (``state.shards``) is checked part by part, and a part that never
+    arrived refuses it whole (:func:`~.receiver.sharded_parts`); it is handed over as a
+    :class:`ShardedPatch` of the parts as they came."""
+    if state.shards:
+        inner, parts = sharded_parts(payload, state, version_now)
+        if isinstance(payload, Stamped) and state.session is not None:
+            parts = [_restamped(p, state.session) for p in parts]
+        patch = ShardedPatch(inner.version, inner.base_version, parts)
+        return ForwardedPatch(inner.version, patch, payload_nbytes(patch),
+                              sum(int(getattr(p, "nnz", 0)) for p in parts))
     patch, session = unstamp(payload, state.session)
     version = check_header(patch, version_now, session)
-    if isinstance(payload, Stamped) and state.session is not None and getattr(patch, "session", None) != state.session:
-        patch = dataclasses.replace(patch, session=state.session)  # shares the tensors
+    if isinstance(payload, Stamped) and state.session is not None:
+        patch = _restamped(patch, state.session)
     return ForwardedPatch(version, patch, payload_nbytes(patch), int(getattr(patch, "nnz", 0)))
 
 
+def _restamped(patch: Any, session: int) -> Any:
+    """A shared patch (built for the first of its receivers) with this receiver's session: its
+    tensors shared, not copied."""
+    return patch if getattr(patch, "session", None) == session else dataclasses.replace(patch, session=session)
+
+
 def handshake_of(state: ReceiverState) -> dict:
-    """The handshake as a remote target takes it (:attr:`~aiosync.syncers.base.RemoteWrite.handshake`)."""
-    return {"keys": list(state.keys), "synced": sorted(state.layouts), "session": state.session}
+    """The handshake as a remote target takes it (:attr:`~aiosync.syncers.base.RemoteWrite.handshake`);
+    a sharded sender's adds its ``shards``: each shard's ``rows`` of each key (``None``: whole;
+    ``[first row, rows]`` along dim 0), its ``keys`` (the ordinal order of its patches) and the
+    ``synced`` ordinals they touch."""
+    out = {"keys": list(state.keys), "synced": sorted(state.layouts), "session": state.session}
+    if state.shards:
+        out["shards"] = [{"rows": {k: None if v is None else list(v) for k, v in s.rows.items()},
+                          "keys": list(s.state.keys), "synced": sorted(s.state.layouts)} for s in state.shards]
+    return out
 
 
-def local_model(state_dict: Any) -> Any:
-    """``state_dict`` itself; a :class:`HandshakeError` for a remote target (a sharded trainer's
-    patches are decoded against the model's rows here, which a remote target does not hold)."""
-    if isinstance(state_dict, RemoteTarget):
-        raise HandshakeError("a sharded trainer's patches cannot be forwarded to a model that applies them where it "
-                             "lives (a RemoteTarget) yet; give the explorer a model that holds its weights (a vLLM engine: "
-                             "VLLMTarget(engine, inplace=False); a vllm serve: start it without aiosync's worker "
-                             "extension, so that it takes the shadow path)")
-    return state_dict
+def sharded_plan(target: Any) -> AssembledTensors | None:
+    """A sharded trainer's bootstrap plan for ``target``: for a remote target, whole tensors
+    assembled from the shards' rows (its loader takes whole tensors); ``None`` for a model
+    that holds its weights (each shard written through views of its rows)."""
+    return AssembledTensors(target) if isinstance(target, RemoteTarget) else None
 
 
 async def stage_patch(syncer: Any, target: Any, payload: Any, pending: Any) -> PreparedPatch | ForwardedPatch:

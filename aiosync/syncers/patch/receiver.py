@@ -415,11 +415,12 @@ def receiver_shards(state_dict: Mapping[str, torch.Tensor], meta: ReceiverMetada
     return tuple(out)
 
 
-def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None, target: Mapping[str, torch.Tensor],
-                    *, verify_checksums: bool) -> PreparedPatch:
-    """:func:`prepare_patch` of a :class:`ShardedPatch`: every shard validated against views of
-    ``target`` on its rows. A stamped payload is checked against the session here (the shards'
-    own sessions are those of whoever the patch was first built for)."""
+def sharded_parts(payload: Any, state: ReceiverState, version_now: int | None) -> tuple[ShardedPatch, list]:
+    """The :class:`ShardedPatch` inside ``payload`` and its parts (unshared), every part's header
+    checked against its shard (kind, version, base version, session) without decoding it: a
+    part that never arrived (a :class:`ShardRef`) refuses the whole patch. A stamped payload is
+    checked against the session here (the parts' own sessions are those of whoever the patch
+    was first built for, so they are not looked at)."""
     stamp = payload if isinstance(payload, Stamped) else None
     inner = unshare(payload.payload if stamp is not None else payload)
     if not isinstance(inner, ShardedPatch) or not isinstance(inner.shards, list):
@@ -432,18 +433,28 @@ def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None,
     if len(inner.shards) != len(state.shards):
         raise PayloadError(f"sharded patch {version} holds {len(inner.shards)} shards, the sender announced "
                            f"{len(state.shards)}")
-    parts = []
-    for r, (shard, part) in enumerate(zip(state.shards, inner.shards)):
-        if isinstance(unshare(part), ShardRef):  # a direct route's part that was never fetched
-            raise PayloadError(f"shard {r} of sharded patch {version} did not arrive from shard rank "
-                               f"{unshare(part).rank}; refused whole, nothing was written")
-        sub = shard.state if stamp is None else ReceiverState(shard.state.keys, shard.state.layouts, None)
-        prepared = prepare_patch(unshare(part), sub, version_now, shard_views(target, shard.rows),
-                                 verify_checksums=verify_checksums)
-        if prepared.version != version or getattr(unshare(part), "base_version", None) != inner.base_version:
-            raise PayloadError(f"shard {r} of sharded patch {version} is the patch of version {prepared.version}")
-        parts.append((shard.rows, prepared, shard.state.layouts))
-    return PreparedPatch(version, [], [], None, None, payload_nbytes(inner), parts=parts)
+    parts = [unshare(part) for part in inner.shards]
+    for r, (shard, part) in enumerate(zip(state.shards, parts)):
+        if isinstance(part, ShardRef):  # a direct route's part that was never fetched
+            raise PayloadError(f"shard {r} of sharded patch {version} did not arrive from shard rank {part.rank}; "
+                               "refused whole, nothing was written")
+        if check_header(part, version_now, shard.state.session if stamp is None else None) != version or \
+                getattr(part, "base_version", None) != inner.base_version:
+            raise PayloadError(f"shard {r} of sharded patch {version} is the patch of version {part.version}")
+    return inner, parts
+
+
+def prepare_sharded(payload: Any, state: ReceiverState, version_now: int | None, target: Mapping[str, torch.Tensor],
+                    *, verify_checksums: bool) -> PreparedPatch:
+    """:func:`prepare_patch` of a :class:`ShardedPatch`: every shard validated against views of
+    ``target`` on its rows (:func:`sharded_parts` first)."""
+    inner, parts = sharded_parts(payload, state, version_now)
+    prepared = []
+    for shard, part in zip(state.shards, parts):
+        sub = ReceiverState(shard.state.keys, shard.state.layouts, None)  # its session: checked above
+        prepared.append((shard.rows, prepare_patch(part, sub, version_now, shard_views(target, shard.rows),
+                                                   verify_checksums=verify_checksums), shard.state.layouts))
+    return PreparedPatch(inner.version, [], [], None, None, payload_nbytes(inner), parts=prepared)
 
 
 @dataclass

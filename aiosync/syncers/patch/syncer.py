@@ -42,7 +42,7 @@ from .codecs import check_codec_available, compress_patch
 from ..config import PatchConfig
 from ..common.integrity import checksum_tensor, new_session, tensor_checksum
 from .format import TensorLayout, assemble_flat_patch, encode_patch
-from .forward import local_model, stage_patch, tensor_plan, write_remote
+from .forward import sharded_plan, stage_patch, tensor_plan, write_remote
 from .handshake import (check_hello, check_metadata, is_int, metadata_dtype, plan_slots, receiver_layouts,
     receiver_metadata, sender_layouts)
 from .receiver import (PreparedPatch, ReceiverState, ShardedWrite, complete_patch, receiver_shards,
@@ -464,7 +464,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         check_hello(hello, len(meta.ordered_keys), meta.session)
         # A sender that does not echo the session (hand-made hellos) opts out of the check.
         session = meta.session if hello.session is not None else None
-        shards = () if hello.shards is None else receiver_shards(local_model(state_dict), meta, hello.shards, session)
+        shards = () if hello.shards is None else receiver_shards(state_dict, meta, hello.shards, session)
         plan, nbytes = None, 0
         if hello.init_sync:
             plan, nbytes = await self._receive_bootstrap(state_dict, recv, session, shards)
@@ -473,21 +473,22 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._pending = _PendingInit(rx, plan, nbytes, time.perf_counter() - t0)
         self._generation += 1
 
-    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None, shards: tuple = ()):
+    async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None, shards: tuple = (), plan=None):
         # The first bucket's manifest is checked against the whole model (a shard's: against
         # that shard's rows) before anything is planned; each bucket is validated, then planned
         # (compared with the model) and dropped. A sharded sender's shards come one after another.
-        if shards:
-            parts, nbytes = [], 0
+        if shards:  # a remote target's: whole tensors assembled from the shards' rows (sharded_plan)
+            parts, nbytes, whole = [], 0, sharded_plan(state_dict)
             for shard in shards:
                 if shard.init_sync:
-                    plan, n = await self._receive_bootstrap(shard_views(state_dict, shard.rows), recv, session)
+                    plan, n = await self._receive_bootstrap(shard_views(state_dict, shard.rows), recv, session,
+                                                            plan=None if whole is None else whole.rows(shard.rows))
                     parts.append((shard.rows, plan))
                     nbytes += n
-            return ShardedWrite(parts), nbytes
+            return (ShardedWrite(parts) if whole is None else whole.finish()), nbytes
         reader = BucketReader(state_dict, versioned=False, session=session,
                               require_checksum=self.config.verify_checksums)
-        plan, nbytes = tensor_plan(state_dict), 0
+        plan, nbytes = tensor_plan(state_dict) if plan is None else plan, 0
         while not reader.done:
             payload = await recv_with_timeout(recv, self.config.recv_timeout, "a bootstrap bucket")
             tensors = await run_sync(reader.read, payload)
