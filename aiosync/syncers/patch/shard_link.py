@@ -2,8 +2,8 @@
 
 A rank whose channel fails in a conversation, or whose transport says it broke, is *gone* for
 good: a sharded trainer cannot go on without it (:class:`~aiosync.errors.TrainerRankLostError`
-naming it; :mod:`aiosync.syncers.patch.shards`, ``ShardPeers`` in
-:mod:`aiosync.coordination.shards`).
+naming it; :mod:`aiosync.syncers.patch.shards`). This module imports only errors and message
+types: the code above it that watches the links calls :meth:`ShardLink.gone_now`.
 """
 
 from __future__ import annotations
