@@ -12,6 +12,9 @@ So aiosync lets go of large buffers here, in bounded pieces:
   pieces — and only then is the last reference dropped (unmapping what is left costs little).
   A buffer someone else still holds is only dropped (its other holder frees it).
 * :func:`release_off_loop` (awaitable): :func:`release` in a worker thread, shielded.
+* :func:`hand_over` (awaitable): send a large payload built for one send (a bootstrap bucket),
+  then release it off the loop if nothing else holds it (:func:`release_if_only_here`) — its last
+  reference would otherwise go on the loop's thread.
 * :func:`release_later` (from synchronous code on the loop thread, e.g. a ``close()``): the
   container is handed to one reclaimer thread that releases it; nothing is done on the caller's
   thread.
@@ -31,6 +34,7 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -207,6 +211,28 @@ async def release_off_loop(box: list) -> None:
 
         with anyio.CancelScope(shield=True):
             await run_sync(release, box)
+
+
+async def hand_over(send: Callable[[Any], Awaitable[Any]], box: list) -> None:
+    """``await send(box[0])``, then let go of it — also when the send fails or is cancelled. For a
+    large payload made for one send (a bootstrap or sync bucket): once sent, if nothing but
+    ``box`` holds it any more, its buffers are given back in pieces off the loop
+    (:func:`release_off_loop`) instead of being freed, GIL held, wherever its last reference
+    happens to go (the coroutine that sent it, on the event loop's thread). If something else
+    still holds it — a receiver in the same process, handed the very object — only the caller's
+    reference is dropped: it is the holder's, and nothing in it is touched."""
+    try:
+        await send(box[0])
+    finally:
+        await release_if_only_here(box)
+
+
+async def release_if_only_here(box: list) -> None:
+    """:func:`release_off_loop` ``box`` if its one item is referenced by ``box`` alone; else just
+    empty ``box`` (:func:`release` empties the containers it walks: never one someone else holds)."""
+    if box and sys.getrefcount(box[0]) <= 2:  # box's slot and getrefcount's own argument
+        await release_off_loop(box)
+    box.clear()
 
 
 _queue: queue.SimpleQueue = queue.SimpleQueue()

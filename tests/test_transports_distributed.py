@@ -398,7 +398,11 @@ def _scenario_transport(rank: int, world: int, out: Path, extra: dict) -> dict:
         await t2.send(packet)  # the same object again: its encoded frame is reused
         echo = await t1.recv()
         assert await t1.recv() == "go"  # sent by rank 1 while its receive below was pending
-        await t1.send(torch.arange(1_000_000, dtype=torch.float32))
+        from aiosync import reclaim
+
+        released = reclaim.statistics.released_bytes
+        await t1.send(torch.arange(2_000_000, dtype=torch.float32))  # its packed copy is let go off the loop
+        released = reclaim.statistics.released_bytes - released
         got = await group.broadcast({"all": torch.full((3,), 7.0)}, src=0)
         # A rogue broadcast: a prefix announcing a header above the bound. Receivers refuse it
         # through the same validation as point-to-point, before allocating anything.
@@ -422,7 +426,7 @@ def _scenario_transport(rank: int, world: int, out: Path, extra: dict) -> dict:
         await t1.send("still served")
         return {"echo": echo, "bcast": got["all"].tolist(), "timed_out": timed_out, "late": late, "dead": dead,
                 "report": group.comm_report, "t1": dataclasses.asdict(t1.statistics()),
-                "t2_timeouts": t2.statistics().timeouts}
+                "t2_timeouts": t2.statistics().timeouts, "released": released}
 
     async def explorer() -> dict:
         t = group.transport(0)
@@ -445,7 +449,7 @@ def _scenario_transport(rank: int, world: int, out: Path, extra: dict) -> dict:
                 tg.start_soon(receive)
                 await anyio.sleep(0)
                 await t.send("go")
-            ok = ok and torch.equal(big["t"], torch.arange(1_000_000, dtype=torch.float32))
+            ok = ok and torch.equal(big["t"], torch.arange(2_000_000, dtype=torch.float32))
         got = await group.broadcast(src=0)
         try:
             await group.broadcast(src=0)
@@ -507,5 +511,6 @@ def test_transport_payloads_broadcast_timeouts_bad_frames_and_a_dead_peer(tmp_pa
     sent, received = r[0]["t1"], r[1]["stats"]
     assert (sent["messages_sent"], sent["messages_received"]) == (3, 2)
     assert (received["messages_received"], received["messages_sent"]) == (3, 2)
-    assert sent["bytes_sent"] == received["bytes_received"] > 4_000_000  # framing included, counted alike
+    assert sent["bytes_sent"] == received["bytes_received"] > 8_000_000  # framing included, counted alike
+    assert r[0]["released"] >= 8_000_000  # the 8 MB message's packed copy, given back off the loop once sent
     assert sent["bytes_received"] == received["bytes_sent"] and sent["timeouts"] == 0 and sent["encode_s"] > 0

@@ -20,6 +20,7 @@ from ...aio import resolve_device, run_sync
 from ...dtypes import dtype_from_name, dtype_name
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes, unshare
+from ...reclaim import hand_over
 from ..base import RemoteTarget, RemoteWrite, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from .format import (BucketReader, agent_key, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     encode_shares, iter_named_tensor_buckets, seal_bucket)
@@ -133,10 +134,10 @@ class BucketWeightSyncer(WeightSyncer, type_name="bucket"):
             async with rx:
                 async for payload in rx:
                     t1 = time.perf_counter()
-                    await send(payload)
-                    timing["send_s"] += time.perf_counter() - t1
                     timing["sent"] += payload_nbytes(payload)
-                    del payload
+                    box, payload = [payload], None
+                    await hand_over(send, box)  # let go of off the loop once sent
+                    timing["send_s"] += time.perf_counter() - t1
         if not buckets and self._is_sender:
             await send(seal_bucket({}, index=0, count=1, version=version, manifest=manifest, checksum=checksum,
                                    shares=shares))

@@ -35,6 +35,7 @@ import torch
 from ...aio import resolve_device, run_sync
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes
+from ...reclaim import hand_over
 from ..base import RemoteTarget, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     iter_named_tensor_buckets, seal_bucket)
@@ -51,9 +52,7 @@ from ..common.payloads import EmptyWeightPatch, ReceiverMetadata, SenderHello, W
 from .shard_layout import shard_views
 from ..snapshot.builder import FlatDiff, Snapshot
 from ..common.staging import FullStateWrite, Journal, commit_write, held_bytes, written
-from ..kernels.warmup import ready as kernels_ready
-from ..kernels.warmup import request as request_kernels
-from ..kernels.warmup import widths_of
+from ..kernels.warmup import ready as kernels_ready, request as request_kernels, widths_of
 from ..common.state_dicts import is_dtensor, match_prefixes, materialize, module_state_dict, select_sync_names
 
 _D = PatchConfig()  # the one home of the defaults (== weight_syncer/patch_syncer.yaml)
@@ -264,7 +263,7 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                                session=meta.session, checksum=self.config.verify_checksums)
 
         for i, bucket in enumerate(buckets):
-            await send(await run_sync(build, i, bucket))
+            await hand_over(send, [await run_sync(build, i, bucket)])  # let go of off the loop once sent
 
     def _chunking(self, state_dict, slots: list[str]) -> dict:
         if self.scratch_fraction is None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...aio import bind_cuda
+from ...reclaim import LARGE, release_if_only_here
 from ...errors import ClosedResourceError, ConfigError, PayloadError, PeerTimeoutError, TransportError
 from ..base import COMM_OPTION_NAMES, Transport, TransportStatistics
 from .ops import _Op, is_gloo
@@ -248,8 +249,14 @@ class DistributedTransport(Transport):
         t0 = time.perf_counter()
         frame = await encode_cached(payload, self.device, detach_shared=True)
         self.stats.encode_s += time.perf_counter() - t0
-        async with self._send_lock:
-            await self.send_frame(frame)
+        box = [frame]
+        try:
+            async with self._send_lock:
+                await self.send_frame(frame)
+        finally:
+            del frame
+            if box[0].host is not None and box[0].host.numel() >= LARGE:
+                await release_if_only_here(box)  # a packed copy of a bucket (a cached frame stays)
 
     async def send_frame(self, frame: Frame, *, detached: bool = True) -> None:
         """Send an encoded frame (``detached``: and its detached bodies, point to point). The
