@@ -76,4 +76,7 @@ def test_loop_lag_reports_every_method_bit_exact(tmp_path):
     assert set(report["methods"]) == {"memory", "checkpoint", "nccl"} and "first_attach_ms" in report
     for method, row in report["methods"].items():
         assert {"sync_worst_ms", "sync_p99_ms", "stop_worst_ms"} <= set(row), method
+        # the canary's figures: the ticker's samples that overlap no stall of the machine itself
+        assert {"sync_worst_ms_host_excluded", "sync_p99_ms_host_excluded", "host_worst_ms"} <= set(row), method
+        assert row["sync_worst_ms_host_excluded"] <= row["sync_worst_ms"], (method, row)
         assert row["final_version"] == 2 and row.get("bit_exact", True), (method, row)
