@@ -214,17 +214,20 @@ async def release_off_loop(box: list) -> None:
 
 
 async def hand_over(send: Callable[[Any], Awaitable[Any]], box: list) -> None:
-    """``await send(box[0])``, then let go of it — also when the send fails or is cancelled. For a
-    large payload made for one send (a bootstrap or sync bucket): once sent, if nothing but
-    ``box`` holds it any more, its buffers are given back in pieces off the loop
-    (:func:`release_off_loop`) instead of being freed, GIL held, wherever its last reference
-    happens to go (the coroutine that sent it, on the event loop's thread). If something else
-    still holds it — a receiver in the same process, handed the very object — only the caller's
-    reference is dropped: it is the holder's, and nothing in it is touched."""
+    """``await send(box[0])``, then let go of it. For a large payload made for one send (a
+    bootstrap or sync bucket): once sent, if nothing but ``box`` holds it any more, its buffers
+    are given back in pieces off the loop (:func:`release_off_loop`) instead of being freed, GIL
+    held, wherever its last reference happens to go (the coroutine that sent it, on the event
+    loop's thread). If something else still holds it — a receiver in the same process, handed
+    the very object — only the caller's reference is dropped: it is the holder's, and nothing in
+    it is touched. A send that fails or is cancelled only drops it too: a transport may still be
+    reading its bytes (a posted send whose wait timed out)."""
     try:
         await send(box[0])
-    finally:
-        await release_if_only_here(box)
+    except BaseException:
+        box.clear()
+        raise
+    await release_if_only_here(box)
 
 
 async def release_if_only_here(box: list) -> None:

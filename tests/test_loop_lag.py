@@ -254,3 +254,18 @@ async def test_a_payload_someone_else_still_holds_is_left_whole():
     await reclaim.hand_over(send, box)
     assert box == [] and set(held[0]) == {"w", "n"}
     assert torch.equal(held[0]["w"], torch.ones(4 << 20)) and int(held[0]["n"]) == 3
+
+
+async def test_a_payload_whose_send_failed_is_only_dropped():
+    """A send that fails may have posted bytes a transport still reads (a posted send whose wait
+    timed out): hand_over then gives nothing back, it only drops its reference."""
+    released = reclaim.statistics.released_bytes
+
+    async def send(p) -> None:
+        del p  # the traceback keeps no reference: only the box holds the payload
+        raise TimeoutError("posted, not waited for")
+
+    box = [{"w": torch.ones(4 << 20)}]
+    with pytest.raises(TimeoutError):
+        await reclaim.hand_over(send, box)
+    assert box == [] and reclaim.statistics.released_bytes == released

@@ -249,14 +249,11 @@ class DistributedTransport(Transport):
         t0 = time.perf_counter()
         frame = await encode_cached(payload, self.device, detach_shared=True)
         self.stats.encode_s += time.perf_counter() - t0
-        box = [frame]
-        try:
-            async with self._send_lock:
-                await self.send_frame(frame)
-        finally:
-            del frame
-            if box[0].host is not None and box[0].host.numel() >= LARGE:
-                await release_if_only_here(box)  # a packed copy of a bucket (a cached frame stays)
+        async with self._send_lock:
+            await self.send_frame(frame)
+        if frame.host is not None and frame.host.numel() >= LARGE:  # a packed copy of a bucket, sent:
+            box, frame = [frame], None  # given back off the loop (a cached frame stays; a failed send's
+            await release_if_only_here(box)  # posted ops may still read it: only dropped)
 
     async def send_frame(self, frame: Frame, *, detached: bool = True) -> None:
         """Send an encoded frame (``detached``: and its detached bodies, point to point). The
