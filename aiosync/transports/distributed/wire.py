@@ -375,7 +375,13 @@ class _Decoder:
             raise PayloadError(f"tensor entry {index}: bytes [{off}, {off}+{nbytes}) lie outside the body")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype, device=body.device)
-        return body[off:off + nbytes].view(dtype).reshape(shape)
+        at = body.storage_offset() + off  # bytes (a body is uint8)
+        if body.dtype != torch.uint8 or at % dtype.itemsize or not body.is_contiguous():  # an odd external body
+            return body[off:off + nbytes].view(dtype).reshape(shape)
+        # On the body's storage, not a view of the body tensor: once the message is decoded only
+        # its tensors hold the bytes, so whoever drops them last can give the body back whole
+        # (aiosync.reclaim) instead of freeing it, GIL held, with the last of them.
+        return torch.empty(0, dtype=dtype, device=body.device).set_(body.untyped_storage(), at // dtype.itemsize, shape)
 
     def decode(self, node: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
