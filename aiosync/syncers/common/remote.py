@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ...errors import PayloadError
 from ..base import RemoteTarget
 from .staging import FullStateWrite, held_bytes
 
@@ -90,8 +91,6 @@ class AssembledTensors(RemoteTensors):
     def finish(self) -> "AssembledTensors":
         """This plan, once every shard's bootstrap arrived; a :class:`~aiosync.errors.PayloadError`
         if a tensor's rows did not all come (a shard that did not bootstrap)."""
-        from ...errors import PayloadError
-
         if self._begun:
             key, (_, missing) = next(iter(self._begun.items()))
             raise PayloadError(f"the sharded bootstrap brought {self.target[key].shape[0] - missing} of the "
