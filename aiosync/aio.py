@@ -259,17 +259,24 @@ async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     if pool is None or not _on_asyncio():
         return await anyio.to_thread.run_sync(work)
     token = anyio.lowlevel.current_token()
+    # The worker lets go of the call and its result before the caller wakes: the pool's work
+    # item (and its future) live on in the worker thread for a moment after the call, and a
+    # large argument or result whose last reference went there would be freed there, GIL held,
+    # racing the caller's own release of it (aiosync.reclaim).
+    calls, results = [work], []
+    del work
 
-    def run() -> T:
+    def run() -> None:
         _local.token = token
         try:
-            return work()
+            results.append(calls.pop()())
         finally:
             _local.token = None
 
     future = asyncio.wrap_future(pool.submit(run))
     with anyio.CancelScope(shield=True):
-        return await future
+        await future
+    return results.pop()
 
 
 @contextlib.asynccontextmanager

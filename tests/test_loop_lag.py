@@ -236,7 +236,8 @@ async def test_a_sent_bucket_is_let_go_off_the_loop(kind):
             await r.apply(dst, b.recv)
     assert all(torch.equal(dst[k], v.to(torch.bfloat16)) for k, v in src.items())
     assert len(freed_on) >= 2, freed_on
-    assert threading.current_thread() not in freed_on, freed_on
+    assert threading.current_thread() not in freed_on, [x.name for x in freed_on]
+    assert reclaim.statistics.released_bytes - released >= 2 * (8 << 20)  # in pieces, not just dropped
     assert reclaim.statistics.released_bytes - released >= 2 * (8 << 20)
 
 
@@ -295,3 +296,34 @@ def test_a_received_messages_body_is_given_back_whole(keep_one):
         assert released == 0 and torch.equal(kept, sent["a"])
     else:
         assert released == body_bytes >= 16 << 20
+
+
+async def test_a_received_bootstrap_bucket_is_let_go_off_the_loop():
+    """The receiving end of a bootstrap: once a bucket is planned, what the plan did not keep of
+    it (here all of it: the receiver already holds those values) is given back in a worker
+    thread, not freed on the loop's thread when the next bucket replaces it."""
+    import aiosync
+
+    cfg = {"type": "patch", "patch": {"init_sync": {"enabled": True}}}
+    src = {"a": torch.randn(1024, 4096), "b": torch.randn(1024, 4096)}  # bf16 on the wire: 8 MiB each
+    dst = {k: v.to(torch.bfloat16) for k, v in src.items()}  # equal already: the plan keeps no values
+    s, r = aiosync.WeightSyncer.create(cfg), aiosync.WeightSyncer.create(cfg)
+    a, b = aiosync.inproc_pair(timeout=60)
+    freed_on: list = []
+    released = reclaim.statistics.released_bytes
+
+    async def send(payload) -> None:
+        if isinstance(payload, dict):  # the receiver's own copy, as over a wire, watched
+            payload = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
+            for t in _tensors(payload):
+                if t.nbytes >= reclaim.LARGE:
+                    weakref.finalize(t, lambda: freed_on.append(threading.current_thread()))
+        await a.send(payload)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.init_sender, src, list(src), send, a.recv)
+        await r.init_receiver(dst, b.recv, b.send)
+    assert all(torch.equal(dst[k], v.to(torch.bfloat16)) for k, v in src.items())
+    assert len(freed_on) >= 2, freed_on
+    assert threading.current_thread() not in freed_on, [x.name for x in freed_on]
+    assert reclaim.statistics.released_bytes - released >= 2 * (8 << 20)  # in pieces, not just dropped

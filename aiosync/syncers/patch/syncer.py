@@ -35,7 +35,7 @@ import torch
 from ...aio import resolve_device, run_sync
 from ...errors import AiosyncError, ApplyError, ConfigError, HandshakeError, PatchChainError, VersionError
 from ...messages import RecvFn, SendFn, payload_nbytes
-from ...reclaim import hand_over
+from ...reclaim import hand_over, release_if_only_here
 from ..base import RemoteTarget, StagedWrite, SyncStatistics, WeightSyncer, recv_with_timeout
 from ..bucket.format import (BucketReader, bucket_manifest, cast_for_bucket, check_no_reserved_keys, check_version,
     iter_named_tensor_buckets, seal_bucket)
@@ -473,9 +473,9 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
         self._generation += 1
 
     async def _receive_bootstrap(self, state_dict, recv: RecvFn, session: int | None, shards: tuple = (), plan=None):
-        # The first bucket's manifest is checked against the whole model (a shard's: against
-        # that shard's rows) before anything is planned; each bucket is validated, then planned
-        # (compared with the model) and dropped. A sharded sender's shards come one after another.
+        # The first bucket's manifest is checked against the whole model (a shard's: its rows) before
+        # anything is planned; each bucket is validated, planned (compared with the model), then what the
+        # plan did not keep of it given back off the loop. A sharded sender's shards come one after another.
         if shards:  # a remote target's: whole tensors assembled from the shards' rows (sharded_plan)
             parts, nbytes, whole = [], 0, sharded_plan(state_dict)
             for shard in shards:
@@ -489,10 +489,10 @@ class PatchWeightSyncer(WeightSyncer, type_name="patch"):
                               require_checksum=self.config.verify_checksums)
         plan, nbytes = tensor_plan(state_dict) if plan is None else plan, 0
         while not reader.done:
-            payload = await recv_with_timeout(recv, self.config.recv_timeout, "a bootstrap bucket")
-            tensors = await run_sync(reader.read, payload)
-            nbytes += payload_nbytes(payload)
-            await run_sync(plan.add, state_dict, tensors)
+            box = [await recv_with_timeout(recv, self.config.recv_timeout, "a bootstrap bucket")]
+            await run_sync(plan.add, state_dict, await run_sync(reader.read, box[0]))
+            nbytes += payload_nbytes(box[0])
+            await release_if_only_here(box)
         return plan, nbytes
 
     async def apply(self, model: torch.nn.Module | Mapping[str, torch.Tensor], recv: RecvFn) -> int:
